@@ -1,0 +1,25 @@
+"""titan-plugins: a plugin registry and trainer for TorchTitan-style model specs.
+
+This module must stay light: listing plugins imports it and must not import torch.
+"""
+
+from titan_plugins.errors import ConfigError, PluginLoadError, TitanError
+from titan_plugins.hookspecs import hookimpl
+from titan_plugins.spec import Capabilities, DatasetSpec, ModelSpec, PipelineInfo, resolve
+
+__version__ = "0.1.0"
+# The plugin API version: a plugin declares the range it supports (see docs).
+API_VERSION = "1.0"
+
+__all__ = [
+    "API_VERSION",
+    "Capabilities",
+    "ConfigError",
+    "DatasetSpec",
+    "ModelSpec",
+    "PipelineInfo",
+    "PluginLoadError",
+    "TitanError",
+    "hookimpl",
+    "resolve",
+]

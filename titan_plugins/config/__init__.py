@@ -1,0 +1,1 @@
+"""Config schemas (``schema``) and the Hydra glue (``hydra_glue``)."""

@@ -1,0 +1,153 @@
+"""Structured schemas for every config group except ``model`` (each plugin brings
+its own). Hydra validates overrides against them, so ``training.steps=abc`` fails
+with a typed error naming the key. Only Enums, no Literal or Callable fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import MISSING
+
+
+class Dtype(str, Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class PipelineSchedule(str, Enum):
+    GPipe = "GPipe"
+    OneFOneB = "1F1B"
+    Interleaved1F1B = "Interleaved1F1B"
+
+
+class ReshardAfterForward(str, Enum):
+    default = "default"  # reshard every block except the last (torchtitan's choice)
+    always = "always"
+    never = "never"
+
+
+class ActivationCheckpoint(str, Enum):
+    none = "none"
+    selective = "selective"  # every `selective_every`-th block
+    full = "full"
+
+
+class LRDecay(str, Enum):
+    none = "none"
+    linear = "linear"
+    cosine = "cosine"
+
+
+@dataclass
+class ParallelismConfig:
+    """Degrees: dp_replicate x dp_shard x tp x pp = world size.
+
+    EP borrows from dp_shard x tp: with ``etp=1`` it spans ``ep/tp`` dp_shard ranks
+    and all of tp; with ``etp=tp`` it spans ``ep`` dp_shard ranks.
+    ``dp_shard=-1`` fills what the world size leaves (torchrun/Slurm or ``world_size``).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    etp: int = 1
+    world_size: int | None = None  # only needed with dp_shard=-1 outside torchrun
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    pp_schedule: PipelineSchedule = PipelineSchedule.OneFOneB
+    pp_microbatches: int | None = None  # default: the number of stages
+    pp_stages_per_rank: int = 1  # >1 for interleaved schedules
+    fsdp_reshard_after_forward: ReshardAfterForward = ReshardAfterForward.default
+    device: str = "auto"  # auto | cpu | cuda
+    backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class PrecisionConfig:
+    """``param_dtype``/``reduce_dtype`` drive FSDP's MixedPrecisionPolicy;
+    ``compute_dtype`` (if set) makes the model compute in that dtype while its
+    weights and optimizer state stay in ``weight_dtype``."""
+
+    name: str = "fp32"
+    weight_dtype: Dtype = Dtype.float32
+    param_dtype: Dtype = Dtype.float32
+    reduce_dtype: Dtype = Dtype.float32
+    compute_dtype: Dtype | None = None
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 60
+    seed: int = 0
+    deterministic: bool = False
+    local_batch_size: int = 4  # sequences per data-parallel rank per microbatch
+    grad_accum_steps: int = 1
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 5
+    decay: LRDecay = LRDecay.cosine
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    max_norm: float = 1.0
+    activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
+    selective_every: int = 2
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    name: str = "builtin"  # a registered dataset: builtin, synthetic, text, jsonl, hf
+    path: str | None = None  # file, directory or local dataset for text/jsonl/hf
+    text_field: str = "text"
+    split: str = "train"
+    tokenizer: str | None = None  # a tokenizer.json; default: the shipped one
+
+
+@dataclass
+class CheckpointConfig:
+    enabled: bool = False
+    folder: str = "checkpoints"  # relative to the run directory
+    interval: int = 50
+    keep_last: int = 2
+    resume: bool = True  # resume from the newest checkpoint in folder if any
+    init_from: str | None = None  # a seed checkpoint (model weights only)
+    save_final: bool = True
+
+
+@dataclass
+class MetricsConfig:
+    log_freq: int = 1
+    jsonl: bool = True
+    tensorboard: bool = True
+    peak_tflops: float | None = None  # per device, for MFU; default per device type
+
+
+@dataclass
+class PlanConfig:
+    enabled: bool = False
+    world_size: int | None = None
+    ranks: list[int] | None = None  # default: rank 0 and the first rank of the last stage
+    device_memory_gb: float = 80.0
+    json: bool = False
+
+
+@dataclass
+class JobConfig:
+    model: Any = MISSING
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    run_dir: str = "."  # set by titan-run to Hydra's output directory

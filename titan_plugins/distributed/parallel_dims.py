@@ -1,0 +1,190 @@
+"""Parallel degrees and the named device meshes every parallelism needs.
+
+The world is laid out as ``pp x dp_replicate x dp_shard x tp`` (tp innermost, so
+tensor-parallel peers are neighbours). Expert parallelism borrows ranks: dp_shard
+is split into ``dp_shard_mod_ep x dp_shard_in_ep``; the ``ep`` mesh spans
+``dp_shard_in_ep`` (and ``tp`` too when ``etp == 1``).
+
+Named meshes (``parallel_dims.mesh(name)``):
+
+    pp          pipeline stages
+    dp          every data-parallel rank (data loading, loss averaging)
+    dp_shard    FSDP's shard dimension for dense parameters
+    fsdp        the FSDP mesh for dense parameters: 1-D dp_shard, or 2-D
+                (dp_replicate, dp_shard) for HSDP
+    tp          tensor / sequence parallel
+    ep          expert parallel
+    etp         expert tensor parallel (the tp mesh, when etp == tp)
+    expert_fsdp FSDP mesh for expert weights under EP (dp_replicate x dp_shard_mod_ep)
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from titan_plugins.config.schema import ParallelismConfig
+from titan_plugins.errors import ConfigError
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    world_size: int
+    _meshes: dict = field(default_factory=dict, repr=False)
+    world_mesh: object = field(default=None, repr=False)
+
+    # ---------------------------------------------------------------- building
+    @classmethod
+    def from_config(cls, cfg: ParallelismConfig, world_size: int | None = None) -> ParallelDims:
+        """Resolve ``dp_shard=-1`` and check every degree; raises ConfigError."""
+        world_size = world_size or cfg.world_size
+        dp_shard = cfg.dp_shard
+        for key in ("dp_replicate", "tp", "pp", "ep", "etp"):
+            value = getattr(cfg, key)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallelism.{key}={value} must be a positive integer")
+        others = cfg.dp_replicate * cfg.tp * cfg.pp
+        if dp_shard == -1:
+            if world_size is None:
+                raise ConfigError(
+                    "parallelism.dp_shard=-1 needs a world size: set parallelism.world_size "
+                    "or launch under torchrun"
+                )
+            if world_size % others:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by dp_replicate*tp*pp={others}"
+                )
+            dp_shard = world_size // others
+        elif dp_shard < 1:
+            raise ConfigError(f"parallelism.dp_shard={dp_shard} must be a positive integer or -1")
+        product = others * dp_shard
+        if world_size is not None and product != world_size:
+            raise ConfigError(
+                f"parallelism degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x "
+                f"dp_shard={dp_shard} x tp={cfg.tp} x pp={cfg.pp}) but the world size is {world_size}"
+            )
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep, cfg.etp, product)
+        dims.validate()
+        return dims
+
+    def validate(self) -> None:
+        if self.etp not in (1, self.tp):
+            raise ConfigError(
+                f"parallelism.etp={self.etp} must be 1 or equal to parallelism.tp={self.tp}"
+            )
+        if self.ep > 1:
+            if self.etp == 1:
+                if self.ep % self.tp:
+                    raise ConfigError(
+                        f"parallelism.ep={self.ep} must be a multiple of parallelism.tp={self.tp} "
+                        "when etp=1 (EP borrows all of tp)"
+                    )
+                borrowed = self.ep // self.tp
+            else:
+                borrowed = self.ep
+            if self.dp_shard % borrowed:
+                raise ConfigError(
+                    f"parallelism.ep={self.ep} needs dp_shard divisible by {borrowed}, "
+                    f"but parallelism.dp_shard={self.dp_shard}"
+                )
+
+    @property
+    def dp_shard_in_ep(self) -> int:
+        if self.ep == 1:
+            return 1
+        return self.ep // self.tp if self.etp == 1 else self.ep
+
+    def build_meshes(self, device_type: str) -> None:
+        """Create the world mesh and the flattened named meshes (needs an initialised
+        process group of ``world_size`` ranks, real or fake)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        in_ep = self.dp_shard_in_ep
+        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        self.world_mesh = mesh
+        m = self._meshes
+        m["pp"] = mesh["pp"]
+        m["tp"] = mesh["tp"]
+        m["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
+        m["dp_shard"] = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
+        m["expert_fsdp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_fsdp")
+        if self.ep > 1:
+            ep_dims = ("dp_shard_in_ep", "tp") if self.etp == 1 else ("dp_shard_in_ep",)
+            m["ep"] = mesh[ep_dims]._flatten("ep")
+        with warnings.catch_warnings():
+            # Slicing a flattened dim from the root is what HSDP needs: a 2-D mesh.
+            warnings.simplefilter("ignore", UserWarning)
+            m["fsdp"] = mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else m["dp_shard"]
+        m["etp"] = m["tp"] if self.etp > 1 else None
+
+    def mesh(self, name: str):
+        if name not in self._meshes:
+            raise KeyError(f"no mesh named {name!r}; call build_meshes() first or check the name")
+        return self._meshes[name]
+
+    # ------------------------------------------------------------- properties
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp_replicate * self.dp_shard > 1
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def etp_enabled(self) -> bool:
+        return self.etp > 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def dp_rank(self) -> int:
+        return self.mesh("dp").get_local_rank() if self.dp_size > 1 else 0
+
+    def describe(self) -> str:
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")]
+        return f"world={self.world_size} " + " ".join(parts)
+
+
+def default_device_and_backend(device: str = "auto", backend: str = "auto") -> tuple[str, str]:
+    """cuda + nccl where a GPU is visible, else cpu + gloo; both overridable."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    return device, backend
+
+
+def threads_per_rank(local_world_size: int) -> int:
+    """Intra-op threads so that local ranks do not oversubscribe the cores."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
