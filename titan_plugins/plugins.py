@@ -151,6 +151,20 @@ class TitanPluginManager(pluggy.PluginManager):
                 continue  # a part of the core not present in this build
             self.add_plugin(module, name=module_name, dist=CORE_DIST, version=_core_version())
 
+    def load_modules(self, module_names: Iterable[str]) -> None:
+        """Register plugins by module name, without an installed distribution
+        (``TITAN_PLUGINS_EXTRA=pkg.mod,...``, like pytest's ``-p``). The env
+        variable reaches spawned ranks, so tests can train a model they define."""
+        for module_name in module_names:
+            info = PluginInfo(name=module_name, module=module_name, dist="<extra>", version="-")
+            try:
+                module = importlib.import_module(module_name)
+            except Exception as exc:
+                self.infos[module_name] = info
+                self._fail(info, exc)
+                continue
+            self.add_plugin(module, name=module_name, dist="<extra>")
+
     def load_entrypoints(self, entry_points: Iterable[tuple[Any, Any]] | None = None) -> None:
         """Load every ``titan_plugins`` entry point, honouring the env switches.
 
@@ -319,6 +333,7 @@ def get_plugin_manager(*, autoload: bool = True, strict: bool = False, builtins:
     pm = TitanPluginManager()
     if builtins:
         pm.load_builtins()
+    pm.load_modules(sorted(_env_list("TITAN_PLUGINS_EXTRA") or ()))
     if autoload:
         pm.load_entrypoints()
     if strict:
