@@ -110,6 +110,7 @@ class DataConfig:
     text_field: str = "text"
     split: str = "train"
     tokenizer: str | None = None  # a tokenizer.json; default: the shipped one
+    vocab_size: int | None = None  # synthetic data only: default the tokenizer's
 
 
 @dataclass

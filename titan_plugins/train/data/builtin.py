@@ -1,0 +1,47 @@
+"""The core's datasets, registered like any plugin's (a built-in plugin).
+
+Light on purpose: builders are ``"module:function"`` strings, so listing
+plugins imports neither torch nor numpy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titan_plugins.hookspecs import hookimpl
+from titan_plugins.spec import DatasetSpec
+
+_SOURCES = "titan_plugins.train.data.sources"
+DATASETS = (
+    DatasetSpec(
+        name="builtin",
+        build=f"{_SOURCES}:build_builtin",
+        description="the Python language reference (~0.5 MB, shipped), pre-tokenized",
+    ),
+    DatasetSpec(
+        name="synthetic",
+        build=f"{_SOURCES}:build_synthetic",
+        description="random tokens, deterministic per seed (benchmarks)",
+    ),
+    DatasetSpec(
+        name="text",
+        build=f"{_SOURCES}:build_text",
+        description="a local .txt file or a directory of them (data.path)",
+    ),
+    DatasetSpec(
+        name="jsonl",
+        build=f"{_SOURCES}:build_jsonl",
+        description="local JSONL (data.path), text in data.text_field",
+    ),
+    DatasetSpec(
+        name="hf",
+        build=f"{_SOURCES}:build_hf",
+        description="a local Hugging Face dataset (data.path, data.split), offline",
+    ),
+)
+
+
+@hookimpl
+def titan_register_datasets(register: Any) -> None:
+    for spec in DATASETS:
+        register(spec)

@@ -1,0 +1,95 @@
+"""The training data loader: batches of a registered dataset's token stream.
+
+``build_dataloader`` looks ``data.name`` up among the registered datasets, calls
+its builder and stacks ``local_batch_size`` samples per batch. The loader is an
+infinite iterator of ``(input_ids, labels)`` int64 tensors ``[batch, seq_len]``
+with ``state_dict()`` / ``load_state_dict()`` (the dataset's own state: the
+loader holds no samples between batches, so nothing is lost on resume).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from titan_plugins.errors import ConfigError
+from titan_plugins.spec import DatasetSpec, resolve
+
+
+def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
+    """The spec registered as ``name``; a ConfigError with a suggestion if none is."""
+    if name in datasets:
+        return datasets[name]
+    close = difflib.get_close_matches(name, list(datasets), n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise ConfigError(
+        f"data.name={name!r} is not a registered dataset{hint} "
+        f"(choose from: {', '.join(sorted(datasets)) or 'none'})"
+    )
+
+
+class DataLoader:
+    """Stacks ``local_batch_size`` samples of ``dataset`` into each batch."""
+
+    def __init__(
+        self, dataset: Any, *, local_batch_size: int, seq_len: int, name: str = ""
+    ) -> None:
+        self.dataset = dataset
+        self.local_batch_size = local_batch_size
+        self.seq_len = seq_len
+        self.name = name
+        # Deal samples to ranks in blocks of one batch (see packing.ShardedStream).
+        if hasattr(dataset, "block"):
+            dataset.block = local_batch_size
+        self._samples: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(dataset)
+
+    def __iter__(self) -> DataLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        pairs = [next(self._samples) for _ in range(self.local_batch_size)]
+        inputs = torch.stack([p[0] for p in pairs]).long()
+        labels = torch.stack([p[1] for p in pairs]).long()
+        expected = (self.local_batch_size, self.seq_len)
+        if inputs.shape != expected or labels.shape != expected:
+            # A dataset plugin's bug, not the user's: say which dataset.
+            raise RuntimeError(
+                f"dataset {self.name!r} yielded batches of shape {tuple(inputs.shape)}/"
+                f"{tuple(labels.shape)}, expected {expected}"
+            )
+        return inputs, labels
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self._samples = iter(self.dataset)
+
+
+def build_dataloader(
+    data_config: Any,
+    tokenizer: Any,
+    *,
+    dp_rank: int,
+    dp_world: int,
+    local_batch_size: int,
+    seq_len: int,
+    seed: int,
+    datasets: Mapping[str, DatasetSpec],
+) -> DataLoader:
+    """This data-parallel rank's loader for ``data_config.name``.
+
+    ``datasets`` is the registry (name -> DatasetSpec) the plugin manager collected.
+    """
+    if local_batch_size < 1:
+        raise ConfigError(f"training.local_batch_size={local_batch_size} must be at least 1")
+    spec = find_dataset(data_config.name, datasets)
+    build = resolve(spec.build)
+    dataset = build(
+        data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed
+    )
+    return DataLoader(dataset, local_batch_size=local_batch_size, seq_len=seq_len, name=spec.name)
