@@ -1,0 +1,1 @@
+"""Building blocks the first-party models share (import the submodules directly)."""
