@@ -101,6 +101,7 @@ class TrainingConfig:
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
     selective_every: int = 2
     compile: bool = False
+    dump_final_params: bool = False  # rank 0 writes <run_dir>/final_params.pt (full tensors)
 
 
 @dataclass
@@ -122,6 +123,7 @@ class CheckpointConfig:
     resume: bool = True  # resume from the newest checkpoint in folder if any
     init_from: str | None = None  # a seed checkpoint (model weights only)
     save_final: bool = True
+    create_seed: bool = False  # build + init_weights on one rank, save model weights, exit
 
 
 @dataclass
@@ -130,6 +132,7 @@ class MetricsConfig:
     jsonl: bool = True
     tensorboard: bool = True
     peak_tflops: float | None = None  # per device, for MFU; default per device type
+    console: bool = True  # the rank-0 log line per step
 
 
 @dataclass

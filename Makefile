@@ -1,0 +1,31 @@
+# make run    set up .venv (first time) and run the main job on the shipped data
+# make test   set up .venv (first time) and run the test suite
+# make lint   ruff
+# VENV=/path  use another virtual environment; ARGS="..." extra arguments
+VENV ?= .venv
+PYTHON ?= python3
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.titan-bootstrap
+TEST_PATHS := tests $(wildcard plugins/*/tests) $(wildcard examples/*/tests)
+ARGS ?=
+
+.PHONY: venv run test lint clean
+
+venv: $(STAMP)
+
+$(STAMP): scripts/bootstrap.sh $(wildcard requirements/*.txt) \
+          pyproject.toml $(wildcard plugins/*/pyproject.toml) $(wildcard examples/*/pyproject.toml)
+	PYTHON=$(PYTHON) bash scripts/bootstrap.sh $(VENV)
+	touch $@
+
+run: venv
+	$(BIN)/titan-run model=deepseek_v3 parallelism=fsdp4_tp2_ep2 $(ARGS)
+
+test: venv
+	$(BIN)/python -m pytest -q $(TEST_PATHS) $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf outputs multirun .pytest_cache .ruff_cache

@@ -1,0 +1,269 @@
+"""DeepSeek-V3: Multi-head Latent Attention, YaRN rotary embeddings, RMSNorm, dense
+SwiGLU in the first ``n_dense_layers`` blocks and MoE (shared experts, aux-loss-free
+balancing) in the rest. TorchTitan 0.2.2's definition: same parameter layout, order
+of operations and initialisation, so its checkpoints load through the state-dict
+adapter and give the same logits. The output projection is ``lm_head`` (TorchTitan:
+``output``; the adapter maps the names).
+
+Parallelism is applied from outside (``titan_deepseek_v3.parallelize``); the forward
+only has to tolerate the modules a pipeline stage does not own being ``None``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_plugins.components.compute_dtype import cast
+from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
+from titan_plugins.components.moe import MoE
+
+from titan_deepseek_v3.config import DeepSeekV3Config
+
+
+# ----------------------------------------------------------------- compute dtype
+# Linear and RMSNorm that compute in ``compute_dtype`` (set by ``set_compute_dtype``)
+# while their parameters keep their own dtype. The cast happens inside ``forward``, so
+# every hook on the module (a TP plan's layouts, FSDP's unshard) still runs first and
+# the state-dict names stay nn.Linear's / nn.RMSNorm's.
+class Linear(nn.Linear):
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.compute_dtype
+        bias = None if self.bias is None else cast(self.bias, dt)
+        return F.linear(cast(x, dt), cast(self.weight, dt), bias)
+
+
+class RMSNorm(nn.RMSNorm):
+    compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = self.compute_dtype
+        weight = None if self.weight is None else cast(self.weight, dt)
+        return F.rms_norm(cast(x, dt), self.normalized_shape, weight, self.eps)
+
+
+# ------------------------------------------------------------------------ YaRN rope
+def precompute_freqs_cis(config: DeepSeekV3Config) -> torch.Tensor:
+    """``(max_seq_len, qk_rope_head_dim // 2)`` complex64 rotations, YaRN-scaled when
+    ``max_seq_len > rope.original_seq_len`` (DeepSeek-V3's reference code)."""
+    rope, dim, seqlen = config.layer.rope, config.layer.attention.qk_rope_head_dim, config.max_seq_len
+    base = rope.theta
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if config.yarn_enabled:
+        # Dimensions rotating fewer than beta_slow times over the original context are
+        # interpolated by 1/factor, those rotating more than beta_fast times kept, a
+        # linear ramp in between.
+        def correction_dim(rotations: float) -> float:
+            return dim * math.log(rope.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        smooth = 1 - ramp
+        freqs = freqs / rope.factor * (1 - smooth) + freqs * smooth
+    freqs = torch.outer(torch.arange(seqlen), freqs)
+    return torch.polar(torch.ones_like(freqs), freqs)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``(bsz, seqlen, heads, rope_dim)`` by the first ``seqlen`` rows."""
+    seqlen = x.shape[1]
+    if seqlen > freqs_cis.shape[0]:
+        raise ValueError(
+            f"sequence length {seqlen} exceeds model.max_seq_len={freqs_cis.shape[0]} "
+            "(the rotary table's length)"
+        )
+    xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
+    rot = freqs_cis[:seqlen].view(1, seqlen, 1, xc.shape[-1])
+    return torch.view_as_real(xc * rot).flatten(3).to(x.dtype)
+
+
+# ----------------------------------------------------------------------- attention
+class SDPA(nn.Module):
+    """The causal attention kernel, a module so a TP plan can hand it local tensors
+    (SDPA on CPU has no DTensor sharding strategy). q, k, v: ``(bsz, heads, seq, d)``."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+
+
+class Attention(nn.Module):
+    """Multi-head Latent Attention.
+
+    q: ``wq(x)``, or low-rank ``wq_b(q_norm(wq_a(x)))`` when ``q_lora_rank > 0``.
+    kv: ``wkv_a(x)`` gives the compressed kv (``kv_lora_rank``) and one rotary key
+    ``k_pe`` shared by all heads; ``wkv_b(kv_norm(kv))`` expands the latent into
+    per-head ``k_nope`` and ``v``. Heads use ``qk_nope + qk_rope`` dims for q·k and
+    ``v_head_dim`` for values.
+    """
+
+    def __init__(self, config: DeepSeekV3Config):
+        super().__init__()
+        att, dim, eps = config.layer.attention, config.dim, config.layer.norm.eps
+        self.q_lora_rank = att.q_lora_rank
+        self.kv_lora_rank = att.kv_lora_rank
+        self.qk_nope_head_dim = att.qk_nope_head_dim
+        self.qk_rope_head_dim = att.qk_rope_head_dim
+        self.qk_head_dim = att.qk_head_dim
+        self.v_head_dim = att.v_head_dim
+        if self.q_lora_rank == 0:
+            self.wq = Linear(dim, att.n_heads * att.qk_head_dim, bias=False)
+        else:
+            self.wq_a = Linear(dim, att.q_lora_rank, bias=False)
+            self.q_norm = RMSNorm(att.q_lora_rank, eps=eps)
+            self.wq_b = Linear(att.q_lora_rank, att.n_heads * att.qk_head_dim, bias=False)
+        self.wkv_a = Linear(dim, att.kv_lora_rank + att.qk_rope_head_dim, bias=False)
+        self.kv_norm = RMSNorm(att.kv_lora_rank, eps=eps)
+        self.wkv_b = Linear(
+            att.kv_lora_rank, att.n_heads * (att.qk_nope_head_dim + att.v_head_dim), bias=False
+        )
+        self.wo = Linear(att.n_heads * att.v_head_dim, dim, bias=False)
+        self.inner_attention = SDPA(config.softmax_scale)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        if self.q_lora_rank == 0:
+            q = self.wq(x)
+        else:
+            q = self.wq_b(self.q_norm(self.wq_a(x)))
+        # -1 heads: under tensor parallelism these are the local (or DTensor) heads.
+        q = q.view(bsz, seqlen, -1, self.qk_head_dim)
+        q_nope, q_pe = torch.split(q, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rotary_emb(q_pe, freqs_cis)], dim=-1)
+
+        kv = self.wkv_a(x)
+        kv, k_pe = torch.split(kv, [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        k_pe = apply_rotary_emb(k_pe.unsqueeze(2), freqs_cis)  # (bsz, seqlen, 1, rope)
+        kv = self.wkv_b(self.kv_norm(kv))
+        kv = kv.view(bsz, seqlen, -1, self.qk_nope_head_dim + self.v_head_dim)
+        k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
+
+        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
+        return self.wo(out)
+
+    def init_weights(self, init_std: float) -> None:
+        # TorchTitan's order (it matters for seeded equality): wkv_a, wkv_b, q, then wo.
+        q = [self.wq] if self.q_lora_rank == 0 else [self.wq_a, self.wq_b]
+        for linear in (self.wkv_a, self.wkv_b, *q):
+            trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        self.kv_norm.reset_parameters()
+        if self.q_lora_rank > 0:
+            self.q_norm.reset_parameters()
+
+
+# ---------------------------------------------------------------------------- block
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, config: DeepSeekV3Config):
+        super().__init__()
+        dim, layer = config.dim, config.layer
+        self.attention_norm = RMSNorm(dim, eps=layer.norm.eps)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(dim, eps=layer.norm.eps)
+        self.moe_enabled = config.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(layer.moe, dim, layer.moe.hidden_dim)
+        else:
+            self.feed_forward = FeedForward(dim, layer.ffn.hidden_dim)
+        # Deeper blocks start smaller (TorchTitan's depth-scaled init).
+        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return x + ffn(self.ffn_norm(x))
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+
+# ---------------------------------------------------------------------------- model
+class DeepSeekV3Model(nn.Module):
+    """``forward(tokens)``: token ids on the first pipeline stage, hidden states after;
+    logits ``(bsz, seq, vocab)`` on the last stage, hidden states elsewhere."""
+
+    def __init__(self, config: DeepSeekV3Config):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(config.vocab_size, config.dim)
+        # Non-persistent: never in state_dict(); rebuilt by init_weights after to_empty.
+        self.register_buffer("freqs_cis", precompute_freqs_cis(config), persistent=False)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(i, config) for i in range(config.n_layers)}
+        )
+        # TorchTitan's final norm has no explicit eps (torch.finfo(dtype).eps).
+        self.norm: nn.RMSNorm | None = RMSNorm(config.dim)
+        self.lm_head: nn.Linear | None = Linear(config.dim, config.vocab_size, bias=False)
+        self.compute_dtype: torch.dtype | None = None
+
+    @property
+    def output(self) -> nn.Linear | None:
+        """TorchTitan's name for ``lm_head`` (read-only), for helpers that look it up."""
+        return self.lm_head
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute linear, norm, attention, FFN, expert and output ops in ``dtype``
+        (``None``: the parameters' dtype); parameters and buffers keep their dtype."""
+        for module in self.modules():
+            if hasattr(module, "compute_dtype"):
+                module.compute_dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        dt = self.compute_dtype
+        h = cast(self.tok_embeddings(tokens), dt) if self.tok_embeddings is not None else cast(tokens, dt)
+        for layer in self.layers.values():
+            h = layer(h, self.freqs_cis)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """TorchTitan's scheme: embeddings N(0, 1); attention and w1 projections
+        trunc-normal(0.02); wo, w2, w3, gate and experts trunc-normal(0.02 / sqrt(2 (i+1)));
+        lm_head trunc-normal(dim**-0.5, cut at 3 sigma); norms ones. Rebuilds
+        ``freqs_cis`` on ``buffer_device`` (default: where it is now)."""
+        buffer_device = buffer_device or self.freqs_cis.device
+        with torch.device(buffer_device):
+            self.freqs_cis = precompute_freqs_cis(self.config)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.lm_head is not None:
+            std = self.config.dim**-0.5
+            weight = self.lm_head.weight
+            tmp = weight.float()
+            nn.init.trunc_normal_(tmp, mean=0.0, std=std, a=-3 * std, b=3 * std)
+            if tmp is not weight:
+                weight.copy_(tmp)
+
+
+def build(config: DeepSeekV3Config) -> DeepSeekV3Model:
+    """The ModelSpec builder; works under ``torch.device("meta")``."""
+    return DeepSeekV3Model(config)

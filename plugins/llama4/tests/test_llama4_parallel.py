@@ -1,0 +1,223 @@
+"""The parallelize hook on 4 gloo ranks against one process, without the runtime.
+
+One spawn of 4 ranks runs every case in turn on its own meshes: build on meta ->
+parallelize -> ``to_empty`` -> ``init_weights`` -> load the single-process model's
+full state dict -> forward/backward on this rank's share of one global batch. The
+summed-token loss and every parameter's full gradient must match the single process.
+A pipeline-stage case parallelizes the two halves of a split model separately and
+checks the stage boundary (plain hidden states in and out) and ``freqs_cis``.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+WORLD = 4
+BATCH, SEQ = 4, 32
+
+CASES = {
+    "fsdp2_tp2": dict(dp_shard=2, tp=2),
+    "fsdp2_tp2_ep2": dict(dp_shard=2, tp=2, ep=2),
+    "fsdp2_tp2_ep2_etp2": dict(dp_shard=2, tp=2, ep=2, etp=2),
+    "fsdp4_ep2": dict(dp_shard=4, ep=2),
+    "tp4": dict(tp=4),
+}
+
+
+def _config():
+    from titan_llama4.config import FLAVORS
+
+    return dataclasses.replace(FLAVORS["debugmodel"], n_layers=4)
+
+
+def _reference(cfg):
+    from titan_llama4.model import build
+
+    torch.manual_seed(0)
+    model = build(cfg)
+    model.init_weights()
+    return model
+
+
+def _batch(cfg):
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    return tokens, labels
+
+
+def _loss(logits, labels, loss_parallel: bool):
+    from torch.distributed.tensor.parallel import loss_parallel as lp_ctx
+
+    if loss_parallel:
+        with lp_ctx():
+            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            loss = loss / (BATCH * SEQ)
+            loss.backward()
+        return loss
+    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (BATCH * SEQ)
+    loss.backward()
+    return loss
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _job(par: dict):
+    from omegaconf import OmegaConf
+
+    from titan_plugins.config.schema import JobConfig, ParallelismConfig
+
+    job = OmegaConf.structured(JobConfig)
+    job.parallelism = OmegaConf.structured(ParallelismConfig(**par))
+    return job
+
+
+def _dims(par: dict):
+    from titan_plugins.config.schema import ParallelismConfig
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelismConfig(**par), WORLD)
+    dims.build_meshes("cpu")
+    return dims
+
+
+def _load(model, sd):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # set_model_state_dict replaces the dict's entries with the distributed tensors: copy.
+    set_model_state_dict(model, dict(sd), options=StateDictOptions(full_state_dict=True, strict=True))
+
+
+def _run_case(name, par, cfg, ref_sd, ref_loss, ref_grads, tokens, labels):
+    from titan_llama4.model import build
+    from titan_llama4.parallelize import parallelize
+
+    dims = _dims(par)
+    with torch.device("meta"):
+        model = build(cfg)
+    parallelize(model, dims, _job(par))
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    assert "freqs_cis" not in model.state_dict()
+    _load(model, ref_sd)
+    rows = BATCH // dims.dp_size
+    start = dims.dp_rank() * rows
+    logits = model(tokens[start:start + rows])
+    loss = _loss(logits, labels[start:start + rows], par.get("loss_parallel", True) and dims.tp > 1)
+    loss = _full(loss).detach().clone()
+    if dims.dp_size > 1:
+        dist.all_reduce(loss, group=dims.mesh("dp").get_group())
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
+    worst = 0.0
+    for pname, p in model.named_parameters():
+        grad = _full(p.grad)
+        torch.testing.assert_close(grad, ref_grads[pname], rtol=1e-4, atol=2e-6, msg=f"{name}: {pname}")
+        worst = max(worst, (grad - ref_grads[pname]).abs().max().item())
+    return abs(loss.item() - ref_loss.item()), worst
+
+
+def _run_pipeline_case(cfg, reference, tokens):
+    """Two stages on the same 4 ranks (dp_shard=2 x tp=2): stage 0 owns the
+    embedding and layers 0-1, stage 1 layers 2-3, norm and output."""
+    from titan_llama4.model import build
+    from titan_llama4.parallelize import parallelize
+
+    par = dict(dp_shard=2, tp=2)
+    dims = _dims(par)
+    with torch.device("meta"):
+        whole = build(cfg)
+    stages = []
+    for keep, first in ((("0", "1"), True), (("2", "3"), False)):
+        stage = copy.deepcopy(whole)
+        for key in list(stage.layers):
+            if key not in keep:
+                del stage.layers[key]
+        if first:
+            stage.norm = stage.output = None
+        else:
+            stage.tok_embeddings = None
+        parallelize(stage, dims, _job(par))
+        stage.to_empty(device="cpu")
+        with torch.no_grad():
+            stage.init_weights(buffer_device=torch.device("cpu"))
+        assert type(stage.freqs_cis) is torch.Tensor and stage.freqs_cis.is_complex()
+        assert "freqs_cis" not in stage.state_dict()
+        sd = {k: v for k, v in reference.state_dict().items() if k in stage.state_dict()}
+        _load(stage, sd)
+        stages.append(stage)
+    rows = BATCH // dims.dp_size
+    start = dims.dp_rank() * rows
+    with torch.no_grad():
+        hidden = stages[0](tokens[start:start + rows])
+        assert type(hidden) is torch.Tensor  # plain between stages: the local sequence shard
+        tp_rank, chunk = dims.mesh("tp").get_local_rank(), SEQ // 2
+        ref_hidden = reference.layers["1"](
+            reference.layers["0"](reference.tok_embeddings(tokens[start:start + rows]), reference.freqs_cis),
+            reference.freqs_cis,
+        )
+        torch.testing.assert_close(hidden, ref_hidden[:, tp_rank * chunk:(tp_rank + 1) * chunk], rtol=1e-5, atol=1e-5)
+        logits = _full(stages[1](hidden))
+        torch.testing.assert_close(logits, reference(tokens[start:start + rows]), rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    report = []
+    try:
+        cfg = _config()
+        reference = _reference(cfg)
+        tokens, labels = _batch(cfg)
+        logits = reference(tokens)
+        ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (BATCH * SEQ)
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        reference.zero_grad(set_to_none=True)
+        ref_sd = reference.state_dict()
+        for name, par in CASES.items():
+            dl, dg = _run_case(name, par, cfg, ref_sd, ref_loss.detach(), ref_grads, tokens, labels)
+            report.append(f"{name}: |loss diff| {dl:.1e}, max |grad diff| {dg:.1e}")
+        _run_pipeline_case(cfg, reference, tokens)
+        report.append("pp stages (dp_shard=2 x tp=2): ok")
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if rank == 0:
+            with open(os.path.join(out_dir, "report.txt"), "w") as f:
+                f.write("\n".join(report))
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_parallelize_matches_single_process(tmp_path):
+    try:
+        mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    except Exception:
+        errors = sorted(tmp_path.glob("error*.txt"))
+        detail = errors[0].read_text() if errors else "no traceback written"
+        pytest.fail(f"a rank failed:\n{detail}")
+    print((tmp_path / "report.txt").read_text())

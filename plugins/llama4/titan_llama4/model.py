@@ -1,0 +1,263 @@
+"""Llama 4 text decoder, numerically equal to TorchTitan v0.2.2's ``models/llama4``.
+
+GQA attention with Llama-scaled rotary embeddings, optional iRoPE (every n-th layer
+without rotary embedding and with full causal attention, chunked local attention
+elsewhere), and dense SwiGLU blocks interleaved with MoE blocks (shared component).
+Parameter names, shapes and the init scheme are TorchTitan's, so its checkpoints
+load as they are. Tensor parallelism is installed from outside (``parallelize.py``);
+under it the hidden states are DTensors and only ``inner_attention`` (rotary
+embedding + kernel) sees plain local tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from titan_llama4.config import Llama4Config, RoPEScaling
+from titan_plugins.components.compute_dtype import cast, linear
+from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
+from titan_plugins.components.moe import MoE
+
+__all__ = ["Llama4", "build", "precompute_freqs_cis"]
+
+
+# ------------------------------------------------------------------ rotary
+def precompute_freqs_cis(head_dim: int, end: int, theta: float, scaling: RoPEScaling) -> torch.Tensor:
+    """complex64 ``(end, head_dim // 2)``; with scaling, wavelengths beyond the original
+    context are divided by ``scaling_factor`` and the band in between interpolated."""
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    if scaling.enabled:
+        factor, orig = scaling.scaling_factor, scaling.original_max_position_embeddings
+        low, high = scaling.low_freq_factor, scaling.high_freq_factor
+        wavelen = 2 * math.pi / freqs
+        freqs = torch.where(wavelen > orig / low, freqs / factor, freqs)
+        # With low == high (the defaults) the band is empty; the 0/0 it computes is discarded.
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * freqs / factor + smooth * freqs
+        medium = ~(wavelen < orig / high) * ~(wavelen > orig / low)
+        freqs = torch.where(medium, smoothed, freqs)
+    angles = torch.outer(torch.arange(end, device=freqs.device), freqs).float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """``x``: ``(batch, seq, heads, head_dim)``, adjacent pairs rotated (TorchTitan layout)."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    out = torch.view_as_real(xc * freqs_cis[: x.shape[1]].view(1, x.shape[1], 1, -1)).flatten(3)
+    return out.type_as(x)
+
+
+# --------------------------------------------------------------- attention
+@functools.lru_cache(maxsize=16)
+def _chunked_causal_mask(seq_len: int, chunk: int, device: torch.device) -> torch.Tensor:
+    i = torch.arange(seq_len, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] // chunk == i[:, None] // chunk)
+
+
+@functools.lru_cache(maxsize=16)
+def _chunked_block_mask(seq_len: int, chunk: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx // chunk == kv_idx // chunk)
+
+    return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)
+
+
+class InnerAttention(nn.Module):
+    """Rotary embedding and the attention kernel, on plain (local) tensors.
+
+    ``q``: ``(batch, seq, heads, head_dim)``, ``k``/``v``: ``(batch, seq, kv_heads,
+    head_dim)``; returns ``(batch, seq, heads, head_dim)``. Full causal layers use
+    SDPA; chunked layers use flex attention on CUDA (``auto``/``flex``) or SDPA with
+    an explicit chunked-causal mask (flex attention has no CPU backward).
+    """
+
+    def __init__(self, use_rope: bool, chunk_size: int | None, backend: str):
+        super().__init__()
+        self.use_rope = use_rope
+        self.chunk_size = chunk_size
+        self.backend = backend
+
+    def forward(self, q, k, v, freqs_cis: torch.Tensor) -> torch.Tensor:
+        if self.use_rope:
+            q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        gqa = q.shape[1] != k.shape[1]
+        seq, chunk = q.shape[2], self.chunk_size
+        if chunk is None or chunk >= seq:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif self.backend == "flex" or (self.backend == "auto" and q.is_cuda):
+            block_mask = _chunked_block_mask(seq, chunk, q.device)
+            flex = _compiled_flex() if q.is_cuda else _eager_flex()
+            out = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        else:
+            mask = _chunked_causal_mask(seq, chunk, q.device)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return out.transpose(1, 2)
+
+
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
+class Attention(nn.Module):
+    def __init__(self, config: Llama4Config, layer_id: int):
+        super().__init__()
+        self.head_dim = hd = config.head_dim
+        self.wq = nn.Linear(config.dim, config.n_heads * hd, bias=False)
+        self.wk = nn.Linear(config.dim, config.kv_heads * hd, bias=False)
+        self.wv = nn.Linear(config.dim, config.kv_heads * hd, bias=False)
+        self.wo = nn.Linear(config.n_heads * hd, config.dim, bias=False)
+        self.inner_attention = InnerAttention(
+            config.uses_rope(layer_id), config.attn_chunk_size(layer_id), config.attn_backend.value
+        )
+        self.compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        dt = self.compute_dtype
+        # -1: the local head count under TP (or the global one on a DTensor).
+        q = linear(x, self.wq, dt).view(bs, seq, -1, self.head_dim)
+        k = linear(x, self.wk, dt).view(bs, seq, -1, self.head_dim)
+        v = linear(x, self.wv, dt).view(bs, seq, -1, self.head_dim)
+        out = self.inner_attention(q, k, v, freqs_cis)
+        return linear(out.reshape(bs, seq, -1), self.wo, dt)
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+
+
+# ------------------------------------------------------------------- blocks
+def _like(out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Bring a DTensor branch output to the residual's layout (a no-op when a TP plan's
+    output hook already did; needed when compute-dtype casts bypass module hooks)."""
+    if isinstance(out, DTensor) and isinstance(residual, DTensor) and out.placements != residual.placements:
+        return out.redistribute(placements=residual.placements)
+    return out
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: Llama4Config, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention = Attention(config, layer_id)
+        self.moe_enabled = config.is_moe_layer(layer_id)
+        if self.moe_enabled:
+            self.moe = MoE(config.moe, dim=config.dim, hidden_dim=config.moe_hidden_dim)
+        else:
+            self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
+        self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        depth = layer_id + 1 if config.depth_init else config.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + _like(self.attention(self.attention_norm(x), freqs_cis), x)
+        ffn = self.moe if self.moe_enabled else self.feed_forward
+        return h + _like(ffn(self.ffn_norm(h)), h)
+
+    def init_weights(self, buffer_device: torch.device | None) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+
+# -------------------------------------------------------------------- model
+class Llama4(nn.Module):
+    """``forward(tokens)``: ids ``(batch, seq)`` on the first pipeline stage, hidden
+    states ``(batch, seq, dim)`` on later ones; logits ``(batch, seq, vocab)`` on the
+    last stage, else hidden states. ``tok_embeddings``/``norm``/``output`` may be None."""
+
+    def __init__(self, config: Llama4Config):
+        super().__init__()
+        config.check()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.register_buffer("freqs_cis", self._precompute_freqs_cis(), persistent=False)
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(config, i) for i in range(config.n_layers)}
+        )
+        self.norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
+        self.output = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.compute_dtype: torch.dtype | None = None
+
+    def _precompute_freqs_cis(self) -> torch.Tensor:
+        c = self.config
+        return precompute_freqs_cis(c.head_dim, c.max_seq_len, c.rope_theta, c.rope_scaling)
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """TorchTitan's scheme and order; rebuilds ``freqs_cis`` on ``buffer_device``."""
+        buffer_device = buffer_device or self.freqs_cis.device
+        with torch.device(buffer_device):
+            self.freqs_cis = self._precompute_freqs_cis()
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.config.dim**-0.5
+            _trunc_normal_cutoff(self.output.weight, std, 3.0)
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute matmuls in ``dtype`` while parameters keep their own dtype."""
+        for module in self.modules():
+            if module is not self and hasattr(module, "compute_dtype"):
+                module.compute_dtype = dtype
+        self.compute_dtype = dtype
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        seq = tokens.shape[1]
+        if seq > self.freqs_cis.shape[0]:
+            raise ValueError(
+                f"sequence length {seq} exceeds model.max_seq_len={self.freqs_cis.shape[0]} "
+                "(the rotary cache length); raise model.max_seq_len"
+            )
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            if layer is not None:
+                h = layer(h, self.freqs_cis)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        return linear(cast(h, self.compute_dtype), self.output, self.compute_dtype)
+
+
+def _trunc_normal_cutoff(tensor: torch.Tensor, std: float, cutoff: float) -> None:
+    """Truncated normal in ``[-cutoff*std, cutoff*std]``, sampled in float32."""
+    tmp = tensor.float()
+    nn.init.trunc_normal_(tmp, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
+    if tmp is not tensor:
+        with torch.no_grad():
+            tensor.copy_(tmp)
+
+
+def build(config: Llama4Config) -> Llama4:
+    """The model for ``config`` (call under ``torch.device("meta")``, then
+    ``to_empty`` and ``init_weights``)."""
+    return Llama4(config)

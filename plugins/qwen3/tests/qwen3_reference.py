@@ -1,0 +1,88 @@
+"""TorchTitan 0.2.2's Qwen3 built as its trainer builds it, made to run on CPU.
+
+Deviations from a plain import, all outside the math under test:
+
+* ``torch.histc`` (TorchTitan's router counts tokens per expert with it) has no int64
+  CPU kernel: ``cpu_histc`` counts in float32 and hands back the input's dtype
+  (exact for counts < 2**24). Tests install it with monkeypatch.
+* Its SDPA wrapper's kernel list is set to the math kernel (ours runs under
+  ``sdpa_kernel(MATH)`` too): Qwen3-MoE's 8th/9th expert scores can differ by ~1e-6
+  between kernels, enough to flip a top-8 choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend
+
+from titan_plugins.testing.torchtitan_ref import import_torchtitan
+from titan_qwen3.config import Qwen3Config
+from titan_qwen3.model import build
+
+_histc = torch.histc
+
+
+def cpu_histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's signature
+    if input.dtype.is_floating_point:
+        return _histc(input, bins=bins, min=min, max=max)
+    return _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+
+def reference_args(config: Qwen3Config):
+    """TorchTitan's ``Qwen3ModelArgs`` with the same numbers as ``config``."""
+    tt = import_torchtitan("torchtitan.models.qwen3")
+    moe = import_torchtitan("torchtitan.models.moe")
+    m = config.moe
+    return tt.Qwen3ModelArgs(
+        dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads,
+        n_kv_heads=config.n_kv_heads, vocab_size=config.vocab_size, head_dim=config.head_dim,
+        hidden_dim=config.hidden_dim, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+        qk_norm=config.qk_norm, max_seq_len=config.max_seq_len, depth_init=config.depth_init,
+        enable_weight_tying=config.enable_weight_tying, moe_enabled=config.moe_enabled,
+        moe_inter_dim=config.moe_inter_dim,
+        moe_args=moe.MoEArgs(
+            num_experts=m.num_experts, num_shared_experts=m.num_shared_experts,
+            score_func=m.score_func.value, route_norm=m.route_norm, route_scale=m.route_scale,
+            score_before_experts=m.score_before_experts, top_k=m.top_k,
+            num_expert_groups=m.num_expert_groups, num_limited_groups=m.num_limited_groups,
+            # its grouped-mm path pads groups with a triton kernel; the loop is the same math
+            use_grouped_mm=False, load_balance_coeff=m.load_balance_coeff,
+        ),
+    )
+
+
+def build_reference(config: Qwen3Config, seq_len: int, seed: int) -> nn.Module:
+    """Meta build -> ``update_from_config(seq_len)`` -> ``to_empty`` -> seeded
+    ``init_weights``, as TorchTitan's trainer does."""
+    mm = import_torchtitan("torchtitan.models.qwen3.model.model")
+    attention = import_torchtitan("torchtitan.models.attention")
+    attention.ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
+    args = reference_args(config)
+    job = type("Job", (), {})()
+    job.training = type("T", (), {"seq_len": seq_len})()
+    job.debug = type("D", (), {"moe_force_load_balance": False})()
+    args.update_from_config(job)
+    with torch.device("meta"):
+        model = mm.Qwen3Model(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def build_ours(config: Qwen3Config, seed: int) -> nn.Module:
+    with torch.device("meta"):
+        model = build(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def small(config: Qwen3Config, **overrides) -> Qwen3Config:
+    return dataclasses.replace(config, **overrides)

@@ -1,0 +1,1 @@
+"""Hydra config tree of the Qwen3 plugin (``pkg://titan_qwen3.conf``)."""

@@ -1,0 +1,278 @@
+"""Qwen3: GQA attention with per-head q/k RMSNorm, rotary embeddings, SwiGLU or MoE.
+
+Same architecture, parameter names and initialisation as TorchTitan v0.2.2's
+``torchtitan/models/qwen3`` (a TorchTitan checkpoint loads as is). Tensor-parallel
+surgery lives in ``parallelize.py``; this file only keeps the shapes DTensor-friendly
+(``view(..., -1, head_dim)`` so sharded heads infer their local count).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from titan_plugins.components.compute_dtype import linear
+from titan_plugins.components.feed_forward import FeedForward
+from titan_plugins.components.moe import MoE
+from titan_qwen3.config import AttentionBackend, AttentionMask, Qwen3Config
+
+AttentionMaskT = torch.Tensor | BlockMask | None
+
+
+def trunc_normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> None:
+    """TorchTitan's truncated normal: sampled in float32, cast back."""
+    tmp = t.float()
+    nn.init.trunc_normal_(tmp, mean=mean, std=std, a=a, b=b)
+    if tmp is not t:
+        with torch.no_grad():
+            t.copy_(tmp)
+
+
+# ----------------------------------------------------------------- rotary
+def rope_cache(head_dim: int, max_seq_len: int, theta: float, device=None) -> torch.Tensor:
+    """``[max_seq_len, 2 * head_dim]``: cos then sin of the rotation angles, each
+    repeated over both halves of the head (the rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(xq: torch.Tensor, xk: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``[batch, seq, heads, head_dim]`` queries and keys by position."""
+    _, seqlen, _, head_dim = xq.shape
+    if seqlen > cache.shape[0]:
+        raise ValueError(
+            f"sequence length {seqlen} exceeds the rotary cache (model.max_seq_len={cache.shape[0]})"
+        )
+    cache = cache[:seqlen].view(1, seqlen, 1, 2 * head_dim)
+    cos = cache[..., :head_dim].to(xq.dtype)
+    sin = cache[..., head_dim:].to(xq.dtype)
+    xq_out = xq * cos + _rotate_half(xq) * sin
+    xk_out = xk * cos + _rotate_half(xk) * sin
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+
+
+# ---------------------------------------------------------------- attention
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per token, the index of its document in the row (an EOS ends its document)."""
+    eos = (tokens == eos_id).to(torch.int32)
+    return torch.cumsum(eos, dim=1) - eos
+
+
+class AttentionKernel(nn.Module):
+    """The attention kernel on ``[B, H, S, D]`` (plain local tensors under TP).
+
+    ``mask``: None for causal attention, a boolean ``[B, 1, S, S]`` mask (SDPA,
+    True = attend) or a flex ``BlockMask``. With None the backend decides: flex
+    attention (causal ``BlockMask`` built once per length and device) or SDPA's
+    ``is_causal``. Flex is compiled on GPU and eager on CPU, where torch has no
+    backward for it.
+    """
+
+    def __init__(self, backend: AttentionBackend, scale: float, enable_gqa: bool):
+        super().__init__()
+        self.backend, self.scale, self.enable_gqa = backend, scale, enable_gqa
+        self._causal: dict[tuple[int, str], BlockMask] = {}
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+        if mask is None and use_flex(self.backend, q.device):
+            mask = self._causal_block_mask(q.shape[2], q.device)
+        if isinstance(mask, BlockMask):
+            kernel = _flex_kernel(q.device)
+            return kernel(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=self.enable_gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.enable_gqa
+        )
+
+    def _causal_block_mask(self, seqlen: int, device: torch.device) -> BlockMask:
+        key = (seqlen, str(device))
+        if key not in self._causal:
+            self._causal[key] = create_block_mask(
+                lambda b, h, q, kv: q >= kv, 1, None, seqlen, seqlen, device=device
+            )
+        return self._causal[key]
+
+
+_compiled_flex = None
+
+
+def _flex_kernel(device: torch.device):
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    _compiled_flex = _compiled_flex or torch.compile(flex_attention)
+    return _compiled_flex
+
+
+def use_flex(backend: AttentionBackend, device: torch.device) -> bool:
+    """``auto`` picks flex attention where it has a backward (CUDA), else SDPA."""
+    if backend is AttentionBackend.auto:
+        return device.type == "cuda"
+    return backend is AttentionBackend.flex
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Qwen3Config):
+        super().__init__()
+        self.head_dim = c.head_dim
+        self.wq = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.norm_eps) if c.qk_norm else None
+        self.inner_attention = AttentionKernel(c.attn_backend, c.head_dim**-0.5, c.n_heads > c.n_kv_heads)
+        self.compute_dtype: torch.dtype | None = None
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+        bs, seqlen, _ = x.shape
+        dtype = self.compute_dtype
+        # -1 heads: under TP the projections are sharded and infer their local count.
+        xq = linear(x, self.wq, dtype).view(bs, seqlen, -1, self.head_dim)
+        xk = linear(x, self.wk, dtype).view(bs, seqlen, -1, self.head_dim)
+        xv = linear(x, self.wv, dtype).view(bs, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            xq, xk = self.q_norm(xq), self.k_norm(xk)
+        xq, xk = apply_rotary(xq, xk, rope)
+        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
+        out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
+        return linear(out, self.wo, dtype)
+
+    def init_weights(self, init_std: float) -> None:
+        for lin in (self.wq, self.wk, self.wv):
+            trunc_normal_(lin.weight, mean=0.0, std=0.02)
+        trunc_normal_(self.wo.weight, mean=0.0, std=init_std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+
+# -------------------------------------------------------------------- blocks
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, c: Qwen3Config):
+        super().__init__()
+        self.attention = Attention(c)
+        self.moe_enabled = c.moe_enabled
+        if c.moe_enabled:
+            self.moe = MoE(c.moe, dim=c.dim, hidden_dim=c.moe_inter_dim)
+        else:
+            self.feed_forward = FeedForward(c.dim, c.hidden_dim)
+        self.attention_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        # TorchTitan's depth-scaled init: std shrinks with the block's depth.
+        depth = layer_id + 1 if c.depth_init else c.n_layers
+        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        mlp = self.moe if self.moe_enabled else self.feed_forward
+        return x + mlp(self.ffn_norm(x))
+
+    def init_weights(self, buffer_device: torch.device | None) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        self.attention.init_weights(self.weight_init_std)
+        if self.moe_enabled:
+            self.moe.init_weights(self.weight_init_std, buffer_device)
+        else:
+            self.feed_forward.init_weights(self.weight_init_std)
+
+
+# --------------------------------------------------------------------- model
+class Qwen3Model(nn.Module):
+    """``forward(tokens)``: ids ``[B, S]`` on the first pipeline stage, hidden states
+    ``[B, S, D]`` on later ones; logits ``[B, S, V]`` on the last stage."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        config.check()
+        self.config = config
+        c = config
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(c.vocab_size, c.dim)
+        # Non-persistent: never in state_dict(), rebuilt by init_weights; a plain
+        # tensor even under TP (the TP plan makes it a replicated DTensor per call).
+        self.register_buffer("rope_cache", rope_cache(c.head_dim, c.max_seq_len, c.rope_theta), persistent=False)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, c) for i in range(c.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(c.dim, eps=c.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(c.dim, c.vocab_size, bias=False)
+        if c.enable_weight_tying:
+            self.output.weight = self.tok_embeddings.weight
+        self.compute_dtype: torch.dtype | None = None
+
+    # ------------------------------------------------------------------ init
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """TorchTitan's scheme: embeddings N(0, 1), projections truncated normal with
+        depth-scaled std, output truncated normal with std dim**-0.5 cut at 3 sigma
+        (tied: the output init overwrites the shared embedding)."""
+        c = self.config
+        buffer_device = buffer_device or self.rope_cache.device
+        self.rope_cache = rope_cache(c.head_dim, c.max_seq_len, c.rope_theta, device=buffer_device)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight)
+        for layer in self.layers.values():
+            if layer is not None:
+                layer.init_weights(buffer_device)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if c.enable_weight_tying and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+        if self.output is not None:
+            std = c.dim**-0.5
+            trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute the projections and experts in ``dtype``; weights keep theirs.
+        The output projection computes in its weight dtype (logits at full precision)."""
+        self.compute_dtype = dtype
+        for module in self.modules():
+            if module is not self and hasattr(module, "compute_dtype"):
+                module.compute_dtype = dtype
+
+    # ---------------------------------------------------------------- masks
+    def attention_mask(self, tokens: torch.Tensor | None) -> AttentionMaskT:
+        """None for causal attention (the kernel handles it); for ``block_causal``,
+        from the token ids: a flex ``BlockMask`` or a boolean SDPA mask."""
+        c = self.config
+        if c.attn_mask is AttentionMask.causal:
+            return None
+        if tokens is None:
+            raise ValueError("model.attn_mask=block_causal needs the token ids (first pipeline stage)")
+        batch, seqlen = tokens.shape
+        doc = document_ids(tokens, c.eos_id)
+        if use_flex(c.attn_backend, tokens.device):
+            def block_causal(b, h, q, kv):
+                return (q >= kv) & (doc[b, q] == doc[b, kv])
+
+            return create_block_mask(block_causal, batch, None, seqlen, seqlen, device=tokens.device)
+        causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=tokens.device).tril()
+        return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+
+    # -------------------------------------------------------------- forward
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            h, mask = self.tok_embeddings(tokens), self.attention_mask(tokens)
+        else:
+            h, mask = tokens, self.attention_mask(None)
+        for layer in self.layers.values():
+            if layer is not None:
+                h = layer(h, self.rope_cache, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            if self.compute_dtype is not None:
+                h = h.to(self.output.weight.dtype)
+            h = self.output(h)
+        return h
+
+
+def build(config: Qwen3Config) -> Qwen3Model:
+    """The contract's builder (works under ``torch.device("meta")``)."""
+    return Qwen3Model(config)

@@ -1,0 +1,218 @@
+"""``titan-run``: compose with Hydra, validate, write the resolved config, start the ranks.
+
+    titan-run model=NAME [parallelism=P] [precision=Q] [key=value ...]
+    titan-run -m model=a,b parallelism=x,y precision=p,q     # a sweep + summary table
+    titan-run --help | --hydra-help | --info searchpath | --cfg job
+    titan-run ... --json                                      # with plan=true: JSON output
+
+Every user error ends as one ``error: ...`` line with exit code 2, before any
+rank starts. Under ``torchrun`` (or Slurm: ``srun`` with ``SLURM_NTASKS > 1``)
+each process trains as its own rank instead of spawning ranks:
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint HOST:29500 -m titan_plugins.cli.run model=qwen3 parallelism=fsdp16
+    (the run directory is $TITAN_RUN_DIR, else outputs/torchrun-<run id>; it must be shared)
+
+With hydra-submitit-launcher: ``titan-run -m hydra/launcher=submitit_slurm
+hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=8 ...`` runs each job's
+tasks as ranks the same way (``SLURM_*`` -> ``RANK``/``WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from titan_plugins.errors import ConfigError, TitanError
+
+_HYDRA_ONLY = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hydra-help", "--resolve", "-p",
+               "--package")
+_MULTIRUN = ("-m", "--multirun")
+
+
+def _usage(pm: Any) -> str:
+    try:
+        from titan_plugins.cli.help import format_help  # type: ignore[import-not-found]
+
+        return format_help(pm)
+    except ImportError:
+        pass
+    models = ", ".join(sorted(pm.models())) or "none installed"
+    return (
+        "usage: titan-run model=NAME [parallelism=P] [precision=Q] [group.key=value ...]\n"
+        "       titan-run -m model=a,b parallelism=x,y precision=p,q   (sweep)\n"
+        "       titan-run --hydra-help | --info searchpath | --cfg job\n\n"
+        f"models: {models}\n"
+    )
+
+
+def _user_overrides(args: list[str]) -> list[str]:
+    """Positional overrides without the hydra.* ones (which the compose API does not need)."""
+    out, skip = [], False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a in ("--config-dir", "-cd", "--config-name", "-cn", "--config-path", "-cp", "--info", "-i",
+                 "--cfg", "-c", "--package", "-p", "--experimental-rerun"):
+            skip = True
+            continue
+        if a.startswith("-"):
+            continue
+        key = a.lstrip("+~")
+        if key.startswith(("hydra.", "hydra/")) or key.startswith("hydra="):
+            continue
+        out.append(a)
+    return out
+
+
+def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    return [list(combo) for batch in batches for combo in batch]
+
+
+def _slurm_to_torchrun_env() -> None:
+    env = os.environ
+    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    env["RANK"] = env["SLURM_PROCID"]
+    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
+    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
+    env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "localhost"))
+    env.setdefault("MASTER_PORT", "29500")
+
+
+def _run_plan(spec: Any, job: Any, pm: Any) -> int:
+    try:
+        from titan_plugins.plan import run_plan  # type: ignore[import-not-found]
+    except ImportError:
+        raise ConfigError("plan mode is not available") from None
+    result = run_plan(spec, job, pm)
+    return int(result) if isinstance(result, int) else 0
+
+
+def _launch_job(spec: Any, job: Any, dims: Any, pm: Any, run_dir: Path) -> int:
+    from titan_plugins.distributed.launcher import launch
+    from titan_plugins.train.api import write_config
+
+    config_path = write_config(job, run_dir)
+    if job.plan.enabled:
+        return _run_plan(spec, job, pm)
+    (run_dir / "error.txt").unlink(missing_ok=True)
+    return launch(config_path, dims.world_size, error_file=run_dir / "error.txt")
+
+
+def _torchrun_main(overrides: list[str], pm: Any) -> int:
+    """Train as this process's rank (torchrun / Slurm started us)."""
+    from titan_plugins.train.api import prepare_job, write_config
+    from titan_plugins.train.worker import run_rank
+
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "job"
+    run_dir = Path(os.environ.get("TITAN_RUN_DIR", f"outputs/torchrun-{run_id}")).resolve()
+    spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
+    if job.plan.enabled:
+        return _run_plan(spec, job, pm) if os.environ["RANK"] == "0" else 0
+    config_path = write_config(job, run_dir)  # identical on every rank, replaced atomically
+    run_rank(config_path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(argv)
+    except TitanError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+def _main(argv: list[str]) -> int:
+    from titan_plugins.config.hydra_glue import normalize_overrides
+    from titan_plugins.plugins import get_plugin_manager
+
+    if "--json" in argv:
+        argv = [a for a in argv if a != "--json"] + ["plan.json=true"]
+    if "--help" in argv or "-h" in argv:
+        print(_usage(get_plugin_manager()), end="")
+        return 0
+    argv = normalize_overrides(argv)
+    pm = get_plugin_manager(strict=True)
+    _slurm_to_torchrun_env()
+    overrides = _user_overrides(argv)
+    multirun = any(a in _MULTIRUN for a in argv)
+    hydra_only = any(a in _HYDRA_ONLY for a in argv)
+
+    if not hydra_only:
+        from titan_plugins.train.api import prepare_job
+
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not multirun:
+            return _torchrun_main(overrides, pm)
+        combos = _sweep_combinations(overrides) if multirun else [overrides]
+        for combo in combos:
+            try:
+                prepare_job(combo, pm)
+            except TitanError as exc:
+                where = f" (job {' '.join(combo)})" if multirun and len(combos) > 1 else ""
+                raise type(exc)(f"{exc}{where}") from None
+    return _run_with_hydra(argv, pm, multirun)
+
+
+def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
+    from hydra import version
+    from hydra._internal.utils import _run_hydra, get_args_parser
+    from hydra.core.hydra_config import HydraConfig
+
+    from titan_plugins.config.hydra_glue import register_configs
+    from titan_plugins.train.api import finish_job
+    from titan_plugins.train.sweep import FAILED_JOBS, write_result
+
+    version.setbase("1.3")
+    register_configs(pm)
+    codes: list[int] = []
+
+    def task(cfg: Any) -> int:
+        hc = HydraConfig.get()
+        run_dir = Path(hc.runtime.output_dir)
+        job_name = str(hc.job.num) if multirun else "0"
+        overrides = " ".join(hc.overrides.task)
+        error = None
+        try:
+            spec, job, dims = finish_job(cfg, pm, run_dir=run_dir)
+            code = _launch_job(spec, job, dims, pm, run_dir)
+        except TitanError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            code, error = exc.exit_code, str(exc)
+        except Exception as exc:  # a crash of the launcher itself: report, keep the sweep going
+            print(f"error: job {job_name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            code, error = 1, f"{type(exc).__name__}: {exc}"
+        write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
+        codes.append(code)
+        return code
+
+    if multirun:
+        argv = [*argv, "+hydra.callbacks.titan_summary._target_=titan_plugins.train.sweep.SummaryCallback"]
+    parser = get_args_parser()
+    args = parser.parse_args(argv)
+    FAILED_JOBS.clear()
+    _run_hydra(
+        args=args,
+        args_parser=parser,
+        task_function=task,
+        config_path="pkg://titan_plugins.conf",
+        config_name="train",
+    )
+    if multirun:
+        return 1 if FAILED_JOBS or any(codes) else 0
+    return codes[0] if codes else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Start the local ranks of a job with torch's elastic launcher (torchrun's machinery).
+
+``launch(config_path, nproc)`` runs ``titan_plugins.train.worker.entry`` in
+``nproc`` spawned processes with a c10d rendezvous on localhost and no restarts.
+When a rank fails the agent stops the others; the first failing rank's error is
+printed once (one line for a user error, the traceback for a crash) and its exit
+code returned. Multi-node jobs run under ``torchrun --nnodes`` instead (each
+process then trains as its own rank; see ``titan_plugins.cli.run``).
+
+``python -m titan_plugins.distributed.launcher CONFIG.yaml NPROC`` does the same
+from a subprocess (``titan_plugins.train.api.run`` uses it to enforce timeouts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import uuid
+from pathlib import Path
+
+from titan_plugins.distributed.parallel_dims import threads_per_rank
+
+__all__ = ["free_port", "launch"]
+
+_NOISY = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _quiet_elastic() -> None:
+    for name in _NOISY:
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _first_failure(exc) -> tuple[int, str, bool, int]:
+    """(rank, message, is_user_error, exitcode) of the earliest recorded failure."""
+    best = None
+    for rank, failure in exc.failures.items():
+        data = failure.error_file_data or {}
+        msg = data.get("message")
+        info = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+        t_ns = info.get("titan_time_ns")
+        key = (0 if t_ns is not None else 1, t_ns or failure.timestamp * 10**9, rank)
+        if best is None or key < best[0]:
+            best = (key, rank, failure, info)
+    _, rank, failure, info = best
+    text = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    if not text or text.startswith("To enable traceback"):
+        text = f"rank {rank} exited with code {failure.exitcode}"
+        if failure.exitcode < 0:
+            text = f"rank {rank} was killed by signal {failure.signal_name()}"
+    return rank, text, bool(info.get("titan_user_error")), failure.exitcode
+
+
+def launch(config_path: str | os.PathLike, nproc: int, *, error_file: str | os.PathLike | None = None) -> int:
+    """Run ``nproc`` local ranks on the resolved config; returns the job's exit code."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from titan_plugins.train.worker import entry
+
+    _quiet_elastic()
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    config = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"titan-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"localhost:{free_port()}",
+        rdzv_configs={"timeout": 120},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+    )
+    try:
+        elastic_launch(config, entry)(str(config_path))
+    except ChildFailedError as exc:
+        rank, text, user, code = _first_failure(exc)
+        line = f"error: {text}" if user else text
+        print(line, file=sys.stderr, flush=True)
+        if error_file is not None:
+            Path(error_file).write_text(text + "\n")
+        return code if code > 0 else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, nproc = argv[0], int(argv[1])
+    error_file = Path(config_path).parent / "error.txt"
+    return launch(config_path, nproc, error_file=error_file)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

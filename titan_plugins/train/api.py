@@ -1,0 +1,260 @@
+"""Programmatic ``titan-run``: compose, validate, write the resolved config,
+launch the ranks, wait, and read the result back from the run directory.
+
+    from titan_plugins.train.api import run
+    result = run(["model=tiny", "parallelism=fsdp2"], run_dir=tmp, extra_plugins=["tiny_plugin"])
+    result.losses        # full-precision floats, from <run_dir>/metrics.jsonl
+
+User errors raise ``titan_plugins.errors.ConfigError`` (one line) before any rank starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from titan_plugins.errors import ConfigError
+from titan_plugins.spec import ModelSpec
+
+__all__ = ["RunResult", "job_world_size", "prepare_job", "read_result", "run", "validate_job", "write_config"]
+
+_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")
+
+
+@dataclass
+class RunResult:
+    """What a finished (or failed) run left in its directory."""
+
+    returncode: int
+    run_dir: Path
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    tokens_per_s: float | None = None
+    error: str | None = None
+    stdout: str = ""
+    stderr: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+# ------------------------------------------------------------------ validation
+def typed_job(job: DictConfig) -> DictConfig:
+    """The resolved job merged into the schema (enums as Enum members, checked types)."""
+    from titan_plugins.config.schema import JobConfig
+
+    try:
+        return OmegaConf.merge(OmegaConf.structured(JobConfig), job)
+    except Exception as exc:
+        from titan_plugins.config.hydra_glue import format_config_error
+
+        raise ConfigError(format_config_error(exc)) from exc
+
+
+def job_world_size(job: DictConfig) -> int | None:
+    """WORLD_SIZE under torchrun/Slurm, else ``parallelism.world_size`` (may be None)."""
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return job.parallelism.world_size
+
+
+def validate_job(spec: ModelSpec, job: DictConfig, pm: Any) -> Any:
+    """Every check that can run before a rank starts; returns the ``ParallelDims``."""
+    from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+    from titan_plugins.distributed.pipeline import validate_pipeline
+
+    par, training = job.parallelism, job.training
+    dims = ParallelDims.from_config(par, job_world_size(job))
+    caps = spec.capabilities
+    for flag, enabled, key in (("fsdp", dims.dp_shard > 1, "dp_shard"), ("tp", dims.tp > 1, "tp"),
+                               ("ep", dims.ep > 1, "ep"), ("pp", dims.pp > 1, "pp")):
+        if enabled and not getattr(caps, flag):
+            raise ConfigError(f"model {spec.name!r} does not support parallelism.{key}={getattr(dims, key)}")
+    if dims.pp > 1 and spec.pipeline is None:
+        raise ConfigError(f"model {spec.name!r} has no pipeline split information (parallelism.pp={dims.pp})")
+    for key in ("steps", "local_batch_size", "grad_accum_steps", "seq_len"):
+        if int(training[key]) < 1:
+            raise ConfigError(f"training.{key}={training[key]} must be at least 1")
+    config = model_config(job.model, spec)
+    validate = spec.load("validate")
+    if validate is not None:
+        validate(config, dims)
+    n_layers = None
+    if dims.pp > 1:
+        from titan_plugins.train.lifecycle import build_meta_model
+
+        n_layers = len(getattr(build_meta_model(spec, job), spec.pipeline.layers_attr))
+    validate_pipeline(par, int(training.local_batch_size), n_layers)
+    if job.precision.compute_dtype is not None:
+        from titan_plugins.train.lifecycle import build_meta_model
+
+        build_meta_model(spec, job)  # raises if the model has no set_compute_dtype
+    from titan_plugins.train.data.loader import find_dataset
+
+    find_dataset(job.data.name, pm.datasets())
+    init_from = job.checkpoint.init_from
+    if init_from and not (Path(init_from) / ".metadata").is_file():
+        raise ConfigError(f"checkpoint.init_from={init_from}: no DCP checkpoint there (missing .metadata)")
+    return dims
+
+
+def prepare_job(
+    overrides: Sequence[str], pm: Any, *, run_dir: str | os.PathLike | None = None
+) -> tuple[ModelSpec, DictConfig, Any]:
+    """Compose (Hydra compose API), resolve the model, validate. Returns
+    ``(spec, job, parallel_dims)`` with ``job.run_dir`` set if given."""
+    from titan_plugins.config.hydra_glue import compose
+
+    cfg = compose(list(overrides), pm)
+    return finish_job(cfg, pm, run_dir=run_dir)
+
+
+def finish_job(cfg: DictConfig, pm: Any, *, run_dir: str | os.PathLike | None = None):
+    from titan_plugins.config.hydra_glue import resolve_job
+
+    spec, job = resolve_job(cfg, pm)
+    job = typed_job(job)
+    if run_dir is not None:
+        job.run_dir = str(Path(run_dir).resolve())
+    if job.checkpoint.create_seed:  # one rank, no parallelism: the seed is parallelism-free
+        for key in _DEGREES:
+            job.parallelism[key] = 1
+        job.parallelism.world_size = None
+    dims = validate_job(spec, job, pm)
+    return spec, job, dims
+
+
+def write_config(job: DictConfig, run_dir: str | os.PathLike) -> Path:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.yaml"
+    tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
+    tmp.write_text(OmegaConf.to_yaml(job, resolve=True))
+    os.replace(tmp, path)
+    return path
+
+
+# --------------------------------------------------------------------- results
+def read_result(run_dir: str | os.PathLike, returncode: int = 0, error: str | None = None) -> RunResult:
+    """Losses, grad norms and throughput from ``<run_dir>/metrics.jsonl`` (the last
+    record of each step wins, so a resumed run reads as one run)."""
+    run_dir = Path(run_dir)
+    by_step: dict[int, dict] = {}
+    path = run_dir / "metrics.jsonl"
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                if "step" in rec and "loss" in rec:
+                    by_step[int(rec["step"])] = rec
+    steps = sorted(by_step)
+    tps = [by_step[s]["tokens_per_s"] for s in steps]
+    steady = tps[1:] if len(tps) > 1 else tps
+    if error is None and (run_dir / "error.txt").is_file() and returncode != 0:
+        error = (run_dir / "error.txt").read_text().strip()
+    return RunResult(
+        returncode=returncode,
+        run_dir=run_dir,
+        losses=[by_step[s]["loss"] for s in steps],
+        grad_norms=[by_step[s]["grad_norm"] for s in steps],
+        steps=steps,
+        tokens_per_s=(sorted(steady)[len(steady) // 2] if steady else None),
+        error=error,
+    )
+
+
+# ------------------------------------------------------------------------- run
+def _module_root(name: str) -> str | None:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        return None
+    root = Path(spec.origin).parent
+    for _ in name.split(".")[1:]:
+        root = root.parent
+    if Path(spec.origin).name == "__init__.py":
+        root = root.parent
+    return str(root)
+
+
+@contextlib.contextmanager
+def _patched_env(env: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def rank_env(extra_plugins: Sequence[str], env: dict | None = None) -> dict[str, str]:
+    """The environment additions the ranks need for ``extra_plugins`` to import."""
+    out = {k: str(v) for k, v in (env or {}).items()}
+    if extra_plugins:
+        current = [m for m in os.environ.get("TITAN_PLUGINS_EXTRA", "").split(",") if m]
+        out["TITAN_PLUGINS_EXTRA"] = ",".join(dict.fromkeys([*current, *extra_plugins]))
+        roots = [r for r in (_module_root(m) for m in extra_plugins) if r]
+        paths = [*roots, *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+        out["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return out
+
+
+def run(
+    overrides: Sequence[str],
+    *,
+    run_dir: str | os.PathLike,
+    extra_plugins: Sequence[str] = (),
+    timeout: float | None = None,
+    env: dict | None = None,
+) -> RunResult:
+    """Compose + validate in this process (``ConfigError`` before any rank starts),
+    write ``<run_dir>/config.yaml``, run the ranks in a subprocess (killed with its
+    ranks after ``timeout`` seconds), and return what the run wrote."""
+    from titan_plugins.plugins import get_plugin_manager
+
+    run_dir = Path(run_dir).resolve()
+    added = rank_env(extra_plugins, env)
+    with _patched_env(added):
+        pm = get_plugin_manager(strict=True)
+        spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
+    config_path = write_config(job, run_dir)
+    (run_dir / "error.txt").unlink(missing_ok=True)
+    if job.plan.enabled:
+        raise ConfigError("plan=true is not supported by titan_plugins.train.api.run; use titan-run")
+    nproc = dims.world_size
+    proc_env = {**os.environ, **added}
+    cmd = [sys.executable, "-m", "titan_plugins.distributed.launcher", str(config_path), str(nproc)]
+    proc = subprocess.Popen(
+        cmd, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code, error = proc.returncode, None
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code, error = 124, f"timed out after {timeout} s"
+    result = read_result(run_dir, code, error)
+    if code != 0 and result.error is None:
+        lines = [line for line in err.strip().splitlines() if line.strip()]
+        result.error = lines[-1] if lines else f"exit code {code}"
+    result.stdout, result.stderr = out, err
+    return result

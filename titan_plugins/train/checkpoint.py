@@ -1,0 +1,225 @@
+"""Checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Layout: ``<folder>/step-<N>/`` per checkpoint. A save goes to ``step-<N>.tmp`` and
+is renamed once every rank has finished, so a crash during a save leaves the
+previous checkpoint as the newest loadable one. Keys are the models' own FQNs
+(``torch.distributed.checkpoint.state_dict`` strips wrapper prefixes), so a
+checkpoint loads under any other parallelism; non-persistent buffers are never in it.
+
+Contents: ``model``, ``optimizer`` (flattened FQN keys), ``lr_scheduler``,
+``dataloader`` (run-wide sample count), ``train_state`` (step), ``rng.rank<R>``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["Checkpointer", "full_model_state_dict", "load_model_weights", "save_model_weights"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def model_state_dict(parts: list[torch.nn.Module]) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for part in parts:
+        sd.update(get_model_state_dict(part))
+    return sd
+
+
+def _checkpoint_keys(path: Path) -> set[str]:
+    reader = dcp.FileSystemReader(str(path))
+    return set(reader.read_metadata().state_dict_metadata)
+
+
+def load_model_weights(parts: list[torch.nn.Module], path: str | os.PathLike) -> None:
+    """Load only the model weights of a (seed or full) checkpoint into ``parts``."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"checkpoint.init_from={path}: not a DCP checkpoint (no .metadata)")
+    sd = model_state_dict(parts)
+    keys = _checkpoint_keys(path)
+    missing = [k for k in sd if f"model.{k}" not in keys]
+    if missing:
+        raise ConfigError(f"checkpoint.init_from={path}: has no weights for {missing[0]} (and {len(missing) - 1} more)")
+    state = {"model": sd}
+    dcp.load(state, checkpoint_id=str(path))
+    for part in parts:
+        set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+
+
+def save_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    """Write ``{"model": state_dict}`` with DCP (the seed checkpoint), atomically."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if _rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier()
+    dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
+    _barrier()
+    if _rank() == 0:
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    _barrier()
+
+
+def full_model_state_dict(parts: list[torch.nn.Module], pp_group: Any | None) -> dict[str, torch.Tensor] | None:
+    """Every parameter as a full CPU tensor, merged over pipeline stages; on the first
+    rank of ``pp_group`` (global rank 0 included), ``None`` elsewhere."""
+    local: dict[str, torch.Tensor] = {}
+    for part in parts:
+        sd = get_model_state_dict(part, options=StateDictOptions(full_state_dict=True))
+        local.update({k: v.detach().cpu() for k, v in sd.items()})
+    if pp_group is None:
+        return local
+    gathered: list[Any] = [None] * dist.get_world_size(pp_group)
+    dst = dist.get_global_rank(pp_group, 0)
+    dist.gather_object(local, gathered if dist.get_rank() == dst else None, dst=dst, group=pp_group)
+    if dist.get_rank() != dst:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part_sd in gathered:
+        merged.update(part_sd)
+    return merged
+
+
+class Checkpointer:
+    """Periodic save, keep-last-N, resume from the newest complete checkpoint."""
+
+    def __init__(
+        self,
+        job: Any,
+        run_dir: str | os.PathLike,
+        parts: list[torch.nn.Module],
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: list[Any],
+        dataloader: Any,
+    ) -> None:
+        cfg = job.checkpoint
+        folder = Path(cfg.folder)
+        self.folder = folder if folder.is_absolute() else Path(run_dir) / folder
+        self.enabled = bool(cfg.enabled)
+        self.interval = int(cfg.interval)
+        self.keep_last = int(cfg.keep_last)
+        self.resume = bool(cfg.resume)
+        self.save_final = bool(cfg.save_final)
+        self.parts, self.optimizers, self.schedulers, self.dataloader = parts, optimizers, schedulers, dataloader
+
+    # ------------------------------------------------------------ state
+    def _state(self, step: int) -> dict[str, Any]:
+        optim: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers):
+            optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        state: dict[str, Any] = {
+            "model": model_state_dict(self.parts),
+            "optimizer": optim,
+            # Every part's scheduler steps alike: one state serves any number of parts.
+            "lr_scheduler": self.schedulers[0].state_dict(),
+            "train_state": {"step": step},
+            "rng": {f"rank{_rank()}": torch.get_rng_state()},
+        }
+        if self.dataloader is not None:
+            state["dataloader"] = self.dataloader.state_dict()
+        return state
+
+    # ------------------------------------------------------------ paths
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        if not self.folder.is_dir():
+            return []
+        found = []
+        for entry in self.folder.iterdir():
+            m = _STEP_DIR.match(entry.name)
+            if m and (entry / ".metadata").is_file():
+                found.append((int(m.group(1)), entry))
+        return sorted(found)
+
+    # ------------------------------------------------------------ save
+    def should_save(self, step: int, last_step: int) -> bool:
+        if not self.enabled:
+            return False
+        return (self.interval > 0 and step % self.interval == 0) or (self.save_final and step == last_step)
+
+    def save(self, step: int) -> Path:
+        final = self.folder / f"step-{step}"
+        tmp = self.folder / f"step-{step}.tmp"
+        if _rank() == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+        _barrier()
+        dcp.save(self._state(step), checkpoint_id=str(tmp))
+        _barrier()  # every rank has written its shard
+        if _rank() == 0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)  # atomic: the checkpoint appears complete or not at all
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if self.keep_last <= 0:
+            return
+        for _, path in self.checkpoints()[: -self.keep_last]:
+            shutil.rmtree(path, ignore_errors=True)
+        for entry in self.folder.glob("step-*.tmp"):
+            shutil.rmtree(entry, ignore_errors=True)
+
+    # ------------------------------------------------------------ load
+    def maybe_resume(self) -> int:
+        """Load the newest checkpoint if resuming is on; returns its step (0 if none)."""
+        if not (self.enabled and self.resume):
+            return 0
+        found = self.checkpoints()
+        if not found:
+            return 0
+        step, path = found[-1]
+        self.load(path)
+        return step
+
+    def load(self, path: Path) -> None:
+        keys = _checkpoint_keys(path)
+        state = self._state(0)
+        rng_key = f"rank{_rank()}"
+        if f"rng.{rng_key}" not in keys:  # saved under another world size
+            del state["rng"]
+        if "dataloader" in state and not any(k.startswith("dataloader") for k in keys):
+            del state["dataloader"]
+        dcp.load(state, checkpoint_id=str(path))
+        for part in self.parts:
+            set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+        for part, opt in zip(self.parts, self.optimizers):
+            set_optimizer_state_dict(part, opt, optim_state_dict=state["optimizer"], options=_FLAT)
+        for sched in self.schedulers:
+            sched.load_state_dict(state["lr_scheduler"])
+        if "dataloader" in state and self.dataloader is not None:
+            self.dataloader.load_state_dict(state["dataloader"])
+        if "rng" in state:
+            torch.set_rng_state(state["rng"][rng_key])

@@ -1,0 +1,118 @@
+"""The model lifecycle: build on meta -> (PP split) -> parallelize -> ``to_empty``
+-> ``init_weights(buffer_device)``; then pipeline stages and schedule under PP.
+
+Plugins are called once per model part (one pipeline stage each under PP).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_plugins.config.hydra_glue import model_config
+from titan_plugins.distributed.fsdp import to_torch_dtype
+from titan_plugins.errors import ConfigError
+from titan_plugins.spec import ModelSpec
+
+__all__ = ["ModelParts", "build_meta_model", "build_model_parts"]
+
+
+@dataclass
+class ModelParts:
+    """What the trainer trains: ``parts`` (one module, or this rank's pipeline
+    stages), and under PP the ``schedule`` with first/last-stage flags."""
+
+    parts: list[nn.Module]
+    stages: list[Any] = field(default_factory=list)
+    schedule: Any = None
+    has_first: bool = True
+    has_last: bool = True
+
+    @property
+    def pp(self) -> bool:
+        return self.schedule is not None
+
+    def parameters(self):
+        for part in self.parts:
+            yield from part.parameters()
+
+
+def build_meta_model(spec: ModelSpec, job: Any) -> nn.Module:
+    """The whole model on the meta device, with the compute dtype set if asked."""
+    build = spec.load("build")
+    config = model_config(job.model, spec)
+    with torch.device("meta"):
+        model = build(config)
+    compute = job.precision.get("compute_dtype") if hasattr(job.precision, "get") else job.precision.compute_dtype
+    if compute is not None:
+        setter = getattr(model, "set_compute_dtype", None)
+        if setter is None:
+            raise ConfigError(
+                f"precision.compute_dtype={getattr(compute, 'value', compute)}: model {spec.name!r} "
+                "does not implement set_compute_dtype"
+            )
+        setter(to_torch_dtype(compute))
+    return model
+
+
+def build_model_parts(
+    spec: ModelSpec,
+    job: Any,
+    parallel_dims: Any,
+    device: torch.device,
+    pm: Any,
+    loss_fn: Any = None,
+    *,
+    init: bool = True,
+) -> ModelParts:
+    """Build, split, parallelize, materialize and initialise this rank's model parts."""
+    model = build_meta_model(spec, job)
+    if parallel_dims.pp_enabled:
+        from titan_plugins.distributed import pipeline
+
+        if spec.pipeline is None:
+            raise ConfigError(f"model {spec.name!r} does not support pipeline parallelism (parallelism.pp)")
+        pp_rank = parallel_dims.mesh("pp").get_local_rank()
+        split = pipeline.split_model(model, spec.pipeline, pp_rank, job.parallelism)
+        del model
+    else:
+        split = [(0, model)]
+
+    parallelize = spec.load("parallelize")
+    parts: list[nn.Module] = []
+    for _, part in split:
+        result = parallelize(part, parallel_dims, job)
+        part = result if isinstance(result, nn.Module) else part
+        hooked = pm.hook.titan_after_parallelize(model=part, parallel_dims=parallel_dims, job_config=job)
+        part = hooked if isinstance(hooked, nn.Module) else part
+        parts.append(part)
+
+    weight_dtype = to_torch_dtype(job.precision.weight_dtype)
+    seed = int(job.training.seed)
+    for part in parts:
+        part.to_empty(device=device)
+        if init:
+            # Same seed on every rank: replicated parameters start equal.
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                part.init_weights(buffer_device=device)
+        if weight_dtype != torch.float32:
+            part.to(weight_dtype)
+        part.train()
+
+    out = ModelParts(parts=parts)
+    if parallel_dims.pp_enabled:
+        from titan_plugins.distributed import pipeline
+
+        num_stages = pipeline.num_virtual_stages(job.parallelism)
+        split_ids = [stage for stage, _ in split]
+        out.stages = pipeline.build_stages(
+            list(zip(split_ids, parts)), num_stages, device, parallel_dims.mesh("pp").get_group()
+        )
+        out.has_first = any(s.is_first for s in out.stages)
+        out.has_last = any(s.is_last for s in out.stages)
+        out.schedule = pipeline.build_schedule(out.stages, job.parallelism, loss_fn)
+    return out

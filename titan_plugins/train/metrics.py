@@ -1,0 +1,124 @@
+"""Step metrics and the built-in sinks (console, JSONL, TensorBoard).
+
+The sinks are plugin objects registered on the plugin manager like any other
+``titan_on_step_end`` implementation; the trainer only calls the hooks. They act
+on rank 0. ``metrics.jsonl`` floats are written with ``repr`` (``json`` does), so
+they read back bit-exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_plugins.hookspecs import hookimpl
+
+__all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "register_sinks"]
+
+# Dense bf16 peak TFLOP/s per device for MFU when metrics.peak_tflops is unset.
+_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0, "MI300": 1307.0}
+
+
+def default_peak_tflops(device_type: str) -> float | None:
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in _PEAKS.items() if k in name), None)
+
+
+def memory_gib(device_type: str) -> float:
+    """Peak memory of this rank: device allocations on CUDA, max RSS on CPU."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**30
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss / 2**20 if sys.platform != "darwin" else rss / 2**30
+
+
+class ConsoleSink:
+    """One line per ``metrics.log_freq`` steps on rank 0."""
+
+    @hookimpl
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        cfg = job_config.metrics
+        if rank != 0 or not cfg.console:
+            return
+        if step % max(1, int(cfg.log_freq)) and step != int(job_config.training.steps):
+            return
+        parts = [
+            f"step {step:>5}",
+            f"loss {metrics['loss']:.4f}",
+            f"grad_norm {metrics['grad_norm']:.4f}",
+            f"lr {metrics['lr']:.2e}",
+            f"tok/s {metrics['tokens_per_s']:,.0f}",
+            f"TFLOP/s {metrics['tflops']:.3f}",
+        ]
+        if "mfu" in metrics:
+            parts.append(f"MFU {metrics['mfu']:.1f}%")
+        parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
+        print(" | ".join(parts), flush=True)
+
+
+class JsonlSink:
+    """``<run_dir>/metrics.jsonl``: a ``start`` record, then one record per step."""
+
+    def __init__(self) -> None:
+        self._file = None
+
+    @hookimpl
+    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+        if rank != 0 or not job_config.metrics.jsonl:
+            return
+        self._file = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    @hookimpl
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    @hookimpl
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+class TensorBoardSink:
+    """Event files under ``<run_dir>/tensorboard``."""
+
+    def __init__(self) -> None:
+        self._writer = None
+
+    @hookimpl
+    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+        if rank != 0 or not job_config.metrics.tensorboard:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
+
+    @hookimpl
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._writer is None:
+            return
+        for key, value in metrics.items():
+            self._writer.add_scalar(f"train/{key}", value, step)
+
+    @hookimpl
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def register_sinks(pm: Any) -> None:
+    """Register the built-in sinks (once per manager)."""
+    for name, sink in (("titan.console", ConsoleSink()), ("titan.jsonl", JsonlSink()),
+                       ("titan.tensorboard", TensorBoardSink())):
+        if pm.get_plugin(name) is None:
+            pm.register(sink, name=name)

@@ -1,0 +1,84 @@
+"""Per-job result files and the multirun summary table.
+
+Each job writes ``<job dir>/result.json``; after a sweep the table is built from
+those files in the sweep directory, so it works with any Hydra launcher
+(basic, joblib, submitit) as long as the sweep directory is shared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+__all__ = ["SummaryCallback", "format_table", "read_results", "write_result"]
+
+FAILED_JOBS: list[str] = []  # filled by SummaryCallback in the launching process
+
+
+def write_result(run_dir: str | os.PathLike, *, job: str, overrides: str, returncode: int,
+                 error: str | None = None) -> dict[str, Any]:
+    from titan_plugins.train.api import read_result
+
+    res = read_result(run_dir, returncode, error)
+    record = {
+        "job": job,
+        "overrides": overrides,
+        "final_loss": res.losses[-1] if res.losses else None,
+        "tokens_per_s": res.tokens_per_s,
+        "status": "ok" if returncode == 0 else "failed",
+        "returncode": returncode,
+        "error": res.error,
+        "steps": len(res.steps),
+    }
+    Path(run_dir, "result.json").write_text(json.dumps(record) + "\n")
+    return record
+
+
+def read_results(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    results = []
+    for path in Path(sweep_dir).glob("*/result.json"):
+        try:
+            results.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            results.append({"job": path.parent.name, "overrides": "", "status": "unreadable"})
+    return sorted(results, key=lambda r: (len(str(r.get("job"))), str(r.get("job"))))
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    header = ("job", "overrides", "final loss", "tokens/s", "status")
+    rows = [header]
+    for r in results:
+        loss = r.get("final_loss")
+        tps = r.get("tokens_per_s")
+        status = r.get("status", "?")
+        if status != "ok" and r.get("error"):
+            status = f"failed: {str(r['error']).splitlines()[0][:80]}"
+        rows.append((
+            str(r.get("job", "")),
+            str(r.get("overrides", "")),
+            f"{loss:.4f}" if isinstance(loss, float) else "-",
+            f"{tps:,.0f}" if isinstance(tps, float) else "-",
+            status,
+        ))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header) - 1)]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[-1])
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths) + "  " + "-" * len(row[-1]))
+    return "\n".join(lines)
+
+
+class SummaryCallback(Callback):
+    """Prints the summary table once every job of a multirun has finished."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = config.hydra.sweep.dir
+        results = read_results(sweep_dir)
+        FAILED_JOBS[:] = [str(r.get("job")) for r in results if r.get("status") != "ok"]
+        print(f"\nsweep {sweep_dir}: {len(results)} jobs, {len(FAILED_JOBS)} failed", flush=True)
+        print(format_table(results), flush=True)

@@ -1,0 +1,216 @@
+"""The training loop of one rank.
+
+Per step: fetch ``grad_accum_steps`` microbatches, count the global label tokens
+(all-reduced over DP), forward/backward each microbatch (or run the pipeline
+schedule), clip the gradient norm over all meshes, step AdamW and the LR
+schedule, reduce the loss for logging, and call ``titan_on_step_end``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_plugins.config.hydra_glue import model_config
+from titan_plugins.distributed.clip_grad import clip_grad_norm_
+from titan_plugins.distributed.parallel_dims import ParallelDims, default_device_and_backend
+from titan_plugins.spec import ModelSpec
+from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
+from titan_plugins.train.lifecycle import ModelParts, build_model_parts
+from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
+from titan_plugins.train.metrics import default_peak_tflops, memory_gib
+from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
+
+__all__ = ["Trainer", "init_distributed", "set_determinism"]
+
+
+def set_determinism(job: Any) -> None:
+    seed = int(job.training.seed)
+    torch.manual_seed(seed)
+    if job.training.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        if torch.cuda.is_available():
+            torch.backends.cudnn.deterministic = True
+            torch.backends.cudnn.benchmark = False
+
+
+def init_distributed(job: Any) -> tuple[ParallelDims, torch.device]:
+    """Process group + meshes for this rank (RANK/WORLD_SIZE from the launcher)."""
+    device_type, backend = default_device_and_backend(job.parallelism.device, job.parallelism.backend)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+        if backend == "nccl":
+            backend = "cpu:gloo,cuda:nccl"  # gather_object and small CPU collectives too
+    else:
+        device = torch.device(device_type)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "localhost")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        dist.init_process_group(backend=backend, world_size=world, rank=int(os.environ["RANK"]))
+    dims = ParallelDims.from_config(job.parallelism, world)
+    dims.build_meshes(device_type)
+    return dims, device
+
+
+class Trainer:
+    def __init__(self, spec: ModelSpec, job: Any, pm: Any, run_dir: str | os.PathLike) -> None:
+        self.spec, self.job, self.pm, self.run_dir = spec, job, pm, str(run_dir)
+        self.dims, self.device = init_distributed(job)
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        set_determinism(job)
+        self.steps = int(job.training.steps)
+        self.accum = int(job.training.grad_accum_steps)
+        self.loss_fn = GlobalTokenLoss()
+
+        self.model: ModelParts = build_model_parts(spec, job, self.dims, self.device, pm, self.loss_fn)
+        if job.checkpoint.init_from:
+            load_model_weights(self.model.parts, job.checkpoint.init_from)
+
+        self.optimizers = [build_optimizer(part, job.training) for part in self.model.parts]
+        self.schedulers = [build_lr_scheduler(opt, job.training) for opt in self.optimizers]
+        hooks_ref = spec.load("optimizer_hooks")
+        if hooks_ref is not None:
+            for fn in hooks_ref(self.model.parts, self.dims) or []:
+                self.optimizers[0].register_step_pre_hook(lambda *_args, _fn=fn: _fn())
+
+        self.dataloader = self._build_dataloader()
+        self.checkpointer = Checkpointer(
+            job, run_dir, self.model.parts, self.optimizers, self.schedulers, self.dataloader
+        )
+        self.dp_group = self.dims.mesh("dp").get_group() if self.dims.dp_enabled else None
+        self.pp_group = self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None
+        self.loss_parallel = self.dims.tp_enabled and bool(job.parallelism.loss_parallel)
+        flops = spec.load("flops")
+        self.flops_per_token = (
+            float(flops(model_config(job.model, spec), int(job.training.seq_len))[1]) if flops else 0.0
+        )
+        peak = job.metrics.peak_tflops
+        self.peak_tflops = float(peak) if peak else default_peak_tflops(self.device.type)
+
+    # ------------------------------------------------------------------ setup
+    def _build_dataloader(self) -> Any:
+        from titan_plugins.train.data import build_dataloader, build_tokenizer
+
+        data_cfg = self.job.data
+        tokenizer = build_tokenizer(data_cfg)
+        return build_dataloader(
+            data_cfg,
+            tokenizer,
+            dp_rank=self.dims.dp_rank(),
+            dp_world=self.dims.dp_size,
+            local_batch_size=int(self.job.training.local_batch_size),
+            seq_len=int(self.job.training.seq_len),
+            seed=int(self.job.training.seed),
+            datasets=self.pm.datasets(),
+        )
+
+    def _loss_context(self):
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
+        """One optimizer step; returns (global loss, grad norm, global tokens)."""
+        from torch.distributed.tensor import DTensor
+
+        tokens = sum(count_tokens(labels) for _, labels in batches).to(torch.float64)
+        if self.dp_group is not None:
+            tokens = tokens.to(self.device)
+            dist.all_reduce(tokens, group=self.dp_group)
+        global_tokens = float(tokens.item())
+        self.loss_fn.global_tokens = global_tokens
+
+        def local(x: torch.Tensor) -> torch.Tensor:
+            return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+
+        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.model.pp:
+                losses: list[torch.Tensor] = []
+                with self._loss_context():
+                    if self.model.has_first:
+                        self.model.schedule.step(inputs, target=labels, losses=losses)
+                    else:
+                        self.model.schedule.step(target=labels, losses=losses)
+                for mb_loss in losses:
+                    loss_sum += local(mb_loss).float()
+            else:
+                with self._loss_context():
+                    loss = self.loss_fn(self.model.parts[0](inputs), labels)
+                    loss.backward()
+                loss_sum += local(loss).float()
+
+        grad_norm = clip_grad_norm_(
+            self.model.parameters(), float(self.job.training.max_norm), pp_group=self.pp_group
+        )
+        for opt in self.optimizers:
+            opt.step()
+        for sched in self.schedulers:
+            sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+        if self.dp_group is not None:
+            dist.all_reduce(loss_sum, group=self.dp_group)
+        if self.pp_group is not None:
+            dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage holds a loss
+        return float(loss_sum.item()), float(grad_norm.item()), global_tokens
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict[str, float]:
+        job, pm, rank = self.job, self.pm, self.rank
+        step = self.checkpointer.maybe_resume()
+        pm.hook.titan_on_train_start(job_config=job, run_dir=self.run_dir, rank=rank)
+        metrics: dict[str, float] = {}
+        data = iter(self.dataloader)
+        while step < self.steps:
+            t0 = time.perf_counter()
+            lr = float(self.schedulers[0].get_last_lr()[0])
+            batches = [next(data) for _ in range(self.accum)]
+            loss, grad_norm, tokens = self.train_step(batches)
+            step += 1
+            dt = time.perf_counter() - t0
+            tps = tokens / dt
+            tflops = self.flops_per_token * tps / self.world / 1e12
+            metrics = {
+                "loss": loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": tps,
+                "tflops": tflops,
+                "memory_gib": memory_gib(self.device.type),
+                "step_time_s": dt,
+            }
+            if self.peak_tflops:
+                metrics["mfu"] = 100.0 * tflops / self.peak_tflops
+            pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
+            if self.checkpointer.should_save(step, self.steps):
+                self.checkpointer.save(step)
+        pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
+        if job.training.dump_final_params:
+            self.dump_final_params()
+        return metrics
+
+    def dump_final_params(self) -> None:
+        sd = full_model_state_dict(self.model.parts, self.pp_group)
+        if self.rank == 0 and sd is not None:
+            path = Path(self.run_dir) / "final_params.pt"
+            torch.save(sd, path.with_suffix(".tmp"))
+            os.replace(path.with_suffix(".tmp"), path)
+        dist.barrier()
