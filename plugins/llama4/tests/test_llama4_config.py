@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from titan_llama4.config import FLAVORS, Llama4Config, flops, num_params, validate
+
 from titan_plugins.config.schema import ParallelismConfig
 from titan_plugins.errors import ConfigError
 
@@ -25,7 +25,13 @@ def _meta(cfg: Llama4Config):
 # ---------------------------------------------------------------- flavors
 def test_debugmodel_shapes():
     cfg = FLAVORS["debugmodel"]
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.vocab_size) == (256, 6, 16, 16, 2048)
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.vocab_size) == (
+        256,
+        6,
+        16,
+        16,
+        2048,
+    )
     assert [i for i in range(6) if cfg.is_moe_layer(i)] == [1, 3, 5]
     assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.num_shared_experts) == (8, 1, 1)
     assert cfg.moe.score_func.value == "sigmoid" and cfg.moe.score_before_experts
@@ -33,8 +39,12 @@ def test_debugmodel_shapes():
     assert cfg.moe_hidden_dim == 512 and cfg.ffn_hidden_dim == 768
     assert cfg.rope_theta == 5e5 and cfg.norm_eps == 1e-5
     rs = cfg.rope_scaling
-    assert rs.enabled and (rs.scaling_factor, rs.low_freq_factor, rs.high_freq_factor,
-                           rs.original_max_position_embeddings) == (16, 1, 1, 8192)
+    assert rs.enabled and (
+        rs.scaling_factor,
+        rs.low_freq_factor,
+        rs.high_freq_factor,
+        rs.original_max_position_embeddings,
+    ) == (16, 1, 1, 8192)
     irope = FLAVORS["debugmodel_irope"]
     assert [irope.uses_rope(i) for i in range(6)] == [False, True, True, True, False, True]
     assert [irope.attn_chunk_size(i) for i in range(6)] == [None, 256, 256, 256, None, 256]
@@ -52,9 +62,21 @@ def test_flavors_match_torchtitan(flavor):
         pytest.skip(f"torchtitan not importable: {exc}")
     ref = tt.llama4_args[flavor]
     ours = FLAVORS[flavor]
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of",
-                "ffn_dim_multiplier", "norm_eps", "rope_theta", "depth_init", "every_n_layers_nope",
-                "interleave_moe_layer_step", "auto_scale_hidden_dim"):
+    for key in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "n_kv_heads",
+        "vocab_size",
+        "multiple_of",
+        "ffn_dim_multiplier",
+        "norm_eps",
+        "rope_theta",
+        "depth_init",
+        "every_n_layers_nope",
+        "interleave_moe_layer_step",
+        "auto_scale_hidden_dim",
+    ):
         assert getattr(ours, key) == getattr(ref, key), key
     if ours.every_n_layers_nope is not None:
         assert ours.fixed_attn_block_size == ref.fixed_attn_block_size
@@ -62,12 +84,24 @@ def test_flavors_match_torchtitan(flavor):
         assert not ours.rope_scaling.enabled
     else:
         assert ours.rope_scaling.enabled
-        for key in ("scaling_factor", "low_freq_factor", "high_freq_factor",
-                    "original_max_position_embeddings"):
+        for key in (
+            "scaling_factor",
+            "low_freq_factor",
+            "high_freq_factor",
+            "original_max_position_embeddings",
+        ):
             assert getattr(ours.rope_scaling, key) == getattr(ref.rope_scaling_args, key)
-    for key in ("num_experts", "num_shared_experts", "route_norm", "route_scale",
-                "score_before_experts", "top_k", "num_expert_groups", "num_limited_groups",
-                "load_balance_coeff"):
+    for key in (
+        "num_experts",
+        "num_shared_experts",
+        "route_norm",
+        "route_scale",
+        "score_before_experts",
+        "top_k",
+        "num_expert_groups",
+        "num_limited_groups",
+        "load_balance_coeff",
+    ):
         assert getattr(ours.moe, key) == getattr(ref.moe_args, key), key
     assert ours.moe.score_func.value == ref.moe_args.score_func
 
@@ -131,8 +165,14 @@ def test_registered_through_entry_point_and_hydra():
     pm = get_plugin_manager()
     assert "llama4" in pm.models()
     cfg = hydra_glue.compose(
-        ["model=llama4", "model.flavor=debugmodel_irope", "model.n_layers=4",
-         "model.rope_scaling.scaling_factor=8", "model.moe.top_k=2"], pm
+        [
+            "model=llama4",
+            "model.flavor=debugmodel_irope",
+            "model.n_layers=4",
+            "model.rope_scaling.scaling_factor=8",
+            "model.moe.top_k=2",
+        ],
+        pm,
     )
     spec, job = hydra_glue.resolve_job(cfg, pm)
     model_cfg = hydra_glue.model_config(job.model, spec)
@@ -149,13 +189,29 @@ def test_registered_through_entry_point_and_hydra():
     [
         ({}, dict(tp=3), "model.n_heads=16 is not divisible by parallelism.tp=3"),
         ({"n_kv_heads": 2}, dict(tp=4), "model.n_kv_heads=2 is not divisible by parallelism.tp=4"),
-        ({}, dict(ep=3, dp_shard=3), "model.moe.num_experts=8 is not divisible by parallelism.ep=3"),
+        (
+            {},
+            dict(ep=3, dp_shard=3),
+            "model.moe.num_experts=8 is not divisible by parallelism.ep=3",
+        ),
         ({"n_layers": 2}, dict(pp=4), "model.n_layers=2 is fewer than the 4 pipeline stages"),
         ({"n_layers": 1}, dict(ep=2, dp_shard=2), "no MoE layer"),
         ({"dim": 250}, dict(), "model.dim=250 is not divisible by model.n_heads=16"),
-        ({"multiple_of": 100}, dict(tp=8), "dense FFN hidden size 700 is not divisible by parallelism.tp=8"),
-        ({"multiple_of": 50}, dict(tp=4), "expert hidden size 350 is not divisible by parallelism.tp=4"),
-        ({"multiple_of": 50}, dict(tp=4, ep=2, etp=4, dp_shard=2), "350 is not divisible by parallelism.etp=4"),
+        (
+            {"multiple_of": 100},
+            dict(tp=8),
+            "dense FFN hidden size 700 is not divisible by parallelism.tp=8",
+        ),
+        (
+            {"multiple_of": 50},
+            dict(tp=4),
+            "expert hidden size 350 is not divisible by parallelism.tp=4",
+        ),
+        (
+            {"multiple_of": 50},
+            dict(tp=4, ep=2, etp=4, dp_shard=2),
+            "350 is not divisible by parallelism.etp=4",
+        ),
     ],
 )
 def test_validate_names_both_numbers(overrides, par, message):
@@ -166,8 +222,13 @@ def test_validate_names_both_numbers(overrides, par, message):
 
 def test_validate_accepts_presets():
     cfg = FLAVORS["debugmodel"]
-    for par in (dict(tp=2), dict(ep=2, dp_shard=2), dict(tp=2, ep=2, etp=2, dp_shard=2),
-                dict(tp=2, pp=2), dict(tp=2, ep=4, dp_shard=2)):
+    for par in (
+        dict(tp=2),
+        dict(ep=2, dp_shard=2),
+        dict(tp=2, ep=2, etp=2, dp_shard=2),
+        dict(tp=2, pp=2),
+        dict(tp=2, ep=4, dp_shard=2),
+    ):
         validate(cfg, ParallelismConfig(**par))
     validate(FLAVORS["17bx16e"], ParallelismConfig(tp=8, ep=16, dp_shard=16, pp=4))
 
@@ -187,7 +248,11 @@ def test_state_dict_adapter_round_trips():
     assert adapter.from_torchtitan(adapter.to_torchtitan(sd)).keys() == sd.keys()
     hf = adapter.to_hf(sd)
     e, h, d = cfg.moe.num_experts, cfg.moe_hidden_dim, cfg.dim
-    assert hf["language_model.model.layers.1.feed_forward.experts.gate_up_proj"].shape == (e, d, 2 * h)
+    assert hf["language_model.model.layers.1.feed_forward.experts.gate_up_proj"].shape == (
+        e,
+        d,
+        2 * h,
+    )
     assert hf["language_model.model.layers.1.feed_forward.experts.down_proj"].shape == (e, h, d)
     assert "language_model.model.layers.0.feed_forward.gate_proj.weight" in hf
     assert not any("expert_bias" in k for k in hf)

@@ -17,7 +17,6 @@ except ImportError as exc:  # torchtitan is a test-only dependency (pip install 
     pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
 
 from llama4_reference import build_reference, cpu_histc, flavor_args, reference_forward  # noqa: E402
-
 from titan_llama4.config import FLAVORS  # noqa: E402
 from titan_llama4.model import build  # noqa: E402
 from titan_llama4.state_dict_adapter import Llama4StateDictAdapter  # noqa: E402
@@ -102,7 +101,9 @@ def test_irope_equivalence(block):
     chunks = [b.attention.inner_attention.chunk_size for b in ours.layers.values()]
     assert chunks == [None, block, block, block, None, block]
     diff_logits, diff_grad = _compare(ref, ours)
-    print(f"irope block {block}: max |logits diff| {diff_logits:.2e}, max |grad diff| {diff_grad:.2e}")
+    print(
+        f"irope block {block}: max |logits diff| {diff_logits:.2e}, max |grad diff| {diff_grad:.2e}"
+    )
 
 
 def test_irope_chunking_matters():
@@ -123,4 +124,6 @@ def test_irope_flex_forward_matches_torchtitan_flex():
         block.attention.inner_attention.backend = "flex"
     tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), reference_forward(ref, tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            ours(tokens), reference_forward(ref, tokens), rtol=1e-5, atol=1e-5
+        )

@@ -99,7 +99,9 @@ def _load(model, sd):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     # set_model_state_dict replaces the dict's entries with the distributed tensors: copy.
-    set_model_state_dict(model, dict(sd), options=StateDictOptions(full_state_dict=True, strict=True))
+    set_model_state_dict(
+        model, dict(sd), options=StateDictOptions(full_state_dict=True, strict=True)
+    )
 
 
 def _run_case(name, par, cfg, ref_sd, ref_loss, ref_grads, tokens, labels):
@@ -117,8 +119,10 @@ def _run_case(name, par, cfg, ref_sd, ref_loss, ref_grads, tokens, labels):
     _load(model, ref_sd)
     rows = BATCH // dims.dp_size
     start = dims.dp_rank() * rows
-    logits = model(tokens[start:start + rows])
-    loss = _loss(logits, labels[start:start + rows], par.get("loss_parallel", True) and dims.tp > 1)
+    logits = model(tokens[start : start + rows])
+    loss = _loss(
+        logits, labels[start : start + rows], par.get("loss_parallel", True) and dims.tp > 1
+    )
     loss = _full(loss).detach().clone()
     if dims.dp_size > 1:
         dist.all_reduce(loss, group=dims.mesh("dp").get_group())
@@ -126,7 +130,9 @@ def _run_case(name, par, cfg, ref_sd, ref_loss, ref_grads, tokens, labels):
     worst = 0.0
     for pname, p in model.named_parameters():
         grad = _full(p.grad)
-        torch.testing.assert_close(grad, ref_grads[pname], rtol=1e-4, atol=2e-6, msg=f"{name}: {pname}")
+        torch.testing.assert_close(
+            grad, ref_grads[pname], rtol=1e-4, atol=2e-6, msg=f"{name}: {pname}"
+        )
         worst = max(worst, (grad - ref_grads[pname]).abs().max().item())
     return abs(loss.item() - ref_loss.item()), worst
 
@@ -163,16 +169,22 @@ def _run_pipeline_case(cfg, reference, tokens):
     rows = BATCH // dims.dp_size
     start = dims.dp_rank() * rows
     with torch.no_grad():
-        hidden = stages[0](tokens[start:start + rows])
+        hidden = stages[0](tokens[start : start + rows])
         assert type(hidden) is torch.Tensor  # plain between stages: the local sequence shard
         tp_rank, chunk = dims.mesh("tp").get_local_rank(), SEQ // 2
         ref_hidden = reference.layers["1"](
-            reference.layers["0"](reference.tok_embeddings(tokens[start:start + rows]), reference.freqs_cis),
+            reference.layers["0"](
+                reference.tok_embeddings(tokens[start : start + rows]), reference.freqs_cis
+            ),
             reference.freqs_cis,
         )
-        torch.testing.assert_close(hidden, ref_hidden[:, tp_rank * chunk:(tp_rank + 1) * chunk], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            hidden, ref_hidden[:, tp_rank * chunk : (tp_rank + 1) * chunk], rtol=1e-5, atol=1e-5
+        )
         logits = _full(stages[1](hidden))
-        torch.testing.assert_close(logits, reference(tokens[start:start + rows]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            logits, reference(tokens[start : start + rows]), rtol=1e-5, atol=1e-5
+        )
 
 
 def _worker(rank, port, out_dir):
@@ -182,17 +194,31 @@ def _worker(rank, port, out_dir):
     report = []
     try:
         cfg = _config()
-        reference = _reference(cfg)
+        irope = dataclasses.replace(cfg, every_n_layers_nope=4, fixed_attn_block_size=8)
+        runs = [(name, par, cfg) for name, par in CASES.items()]
+        runs.append(("fsdp2_tp2 irope (chunk 8)", CASES["fsdp2_tp2"], irope))
         tokens, labels = _batch(cfg)
-        logits = reference(tokens)
-        ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (BATCH * SEQ)
-        ref_loss.backward()
-        ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-        reference.zero_grad(set_to_none=True)
-        ref_sd = reference.state_dict()
-        for name, par in CASES.items():
-            dl, dg = _run_case(name, par, cfg, ref_sd, ref_loss.detach(), ref_grads, tokens, labels)
+        for name, par, case_cfg in runs:
+            reference = _reference(case_cfg)
+            logits = reference(tokens)
+            ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (
+                BATCH * SEQ
+            )
+            ref_loss.backward()
+            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+            reference.zero_grad(set_to_none=True)
+            dl, dg = _run_case(
+                name,
+                par,
+                case_cfg,
+                reference.state_dict(),
+                ref_loss.detach(),
+                ref_grads,
+                tokens,
+                labels,
+            )
             report.append(f"{name}: |loss diff| {dl:.1e}, max |grad diff| {dg:.1e}")
+        reference = _reference(cfg)
         _run_pipeline_case(cfg, reference, tokens)
         report.append("pp stages (dp_shard=2 x tp=2): ok")
     except BaseException:

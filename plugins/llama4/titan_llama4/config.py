@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.errors import ConfigError
@@ -58,10 +58,10 @@ class Llama4Config:
     dim: int = 256
     n_layers: int = 6
     n_heads: int = 16
-    n_kv_heads: Optional[int] = None  # None: multi-head attention (= n_heads)
+    n_kv_heads: int | None = None  # None: multi-head attention (= n_heads)
     vocab_size: int = 2048
     multiple_of: int = 256  # SwiGLU hidden sizes round up to a multiple of this
-    ffn_dim_multiplier: Optional[float] = None
+    ffn_dim_multiplier: float | None = None
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: RoPEScaling = field(default_factory=lambda: RoPEScaling(enabled=False))
@@ -71,7 +71,7 @@ class Llama4Config:
 
     # iRoPE: every n-th layer (0, n, 2n, ...) has no rotary embedding and full causal
     # attention; the others attend causally within chunks of fixed_attn_block_size.
-    every_n_layers_nope: Optional[int] = None
+    every_n_layers_nope: int | None = None
     fixed_attn_block_size: int = 8192
     attn_backend: AttentionBackend = AttentionBackend.auto
 
@@ -117,7 +117,7 @@ class Llama4Config:
         n = self.every_n_layers_nope
         return n is None or layer_id % n != 0
 
-    def attn_chunk_size(self, layer_id: int) -> Optional[int]:
+    def attn_chunk_size(self, layer_id: int) -> int | None:
         """Chunk of the local attention of layer ``layer_id``; None for full causal."""
         if self.every_n_layers_nope is None or not self.uses_rope(layer_id):
             return None
@@ -126,7 +126,9 @@ class Llama4Config:
     def check(self) -> None:
         """Model-only consistency; raises ConfigError naming the numbers."""
         if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            raise ConfigError(
+                f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}"
+            )
         if self.head_dim % 2:
             raise ConfigError(f"model head_dim={self.head_dim} (dim/n_heads) must be even for RoPE")
         if self.n_heads % self.kv_heads:
@@ -162,18 +164,34 @@ def _moe(num_experts: int) -> MoEConfig:
 
 def _debugmodel(**kw: Any) -> Llama4Config:
     return Llama4Config(
-        dim=256, n_layers=6, n_heads=16, vocab_size=2048, rope_theta=500000.0,
-        rope_scaling=RoPEScaling(), moe=_moe(8), interleave_moe_layer_step=2, **kw,
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        vocab_size=2048,
+        rope_theta=500000.0,
+        rope_scaling=RoPEScaling(),
+        moe=_moe(8),
+        interleave_moe_layer_step=2,
+        **kw,
     )
 
 
 def _published(num_experts: int, interleave: int, scaling: bool, **kw: Any) -> Llama4Config:
     # Scout (17Bx16E) and Maverick (17Bx128E). TorchTitan's vocab default 202048.
     return Llama4Config(
-        dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048,
-        ffn_dim_multiplier=1.2, multiple_of=2048, rope_theta=500000.0,
-        rope_scaling=RoPEScaling(enabled=scaling), max_seq_len=8192,
-        moe=_moe(num_experts), interleave_moe_layer_step=interleave, **kw,
+        dim=5120,
+        n_layers=48,
+        n_heads=40,
+        n_kv_heads=8,
+        vocab_size=202048,
+        ffn_dim_multiplier=1.2,
+        multiple_of=2048,
+        rope_theta=500000.0,
+        rope_scaling=RoPEScaling(enabled=scaling),
+        max_seq_len=8192,
+        moe=_moe(num_experts),
+        interleave_moe_layer_step=interleave,
+        **kw,
     )
 
 
@@ -216,9 +234,10 @@ def flops(config: Llama4Config, seq_len: int) -> tuple[int, int]:
     attention (TorchTitan's formula, with head dims q/k + v = 2 * head_dim)."""
     total, active = num_params(config)
     embedding = config.vocab_size * config.dim
-    per_token = 6 * (active - embedding) + 6 * config.n_layers * config.n_heads * (
-        2 * config.head_dim
-    ) * seq_len
+    per_token = (
+        6 * (active - embedding)
+        + 6 * config.n_layers * config.n_heads * (2 * config.head_dim) * seq_len
+    )
     return total, per_token
 
 
@@ -239,8 +258,11 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
     c = config
     n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
     if tp > 1:
-        for key, value in (("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads),
-                           ("vocab_size", c.vocab_size)):
+        for key, value in (
+            ("n_heads", c.n_heads),
+            ("n_kv_heads", c.kv_heads),
+            ("vocab_size", c.vocab_size),
+        ):
             if value % tp:
                 raise ConfigError(f"model.{key}={value} is not divisible by parallelism.tp={tp}")
         if n_moe < c.n_layers and c.ffn_hidden_dim % tp:
@@ -255,8 +277,10 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
             )
     if ep > 1:
         if not n_moe:
-            raise ConfigError(f"parallelism.ep={ep} but model has no MoE layer "
-                              f"(n_layers={c.n_layers}, interleave_moe_layer_step={c.interleave_moe_layer_step})")
+            raise ConfigError(
+                f"parallelism.ep={ep} but model has no MoE layer "
+                f"(n_layers={c.n_layers}, interleave_moe_layer_step={c.interleave_moe_layer_step})"
+            )
         if c.moe.num_experts % ep:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"

@@ -28,7 +28,9 @@ __all__ = ["Llama4", "build", "precompute_freqs_cis"]
 
 
 # ------------------------------------------------------------------ rotary
-def precompute_freqs_cis(head_dim: int, end: int, theta: float, scaling: RoPEScaling) -> torch.Tensor:
+def precompute_freqs_cis(
+    head_dim: int, end: int, theta: float, scaling: RoPEScaling
+) -> torch.Tensor:
     """complex64 ``(end, head_dim // 2)``; with scaling, wavelengths beyond the original
     context are divided by ``scaling_factor`` and the band in between interpolated."""
     freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
@@ -149,7 +151,11 @@ class Attention(nn.Module):
 def _like(out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """Bring a DTensor branch output to the residual's layout (a no-op when a TP plan's
     output hook already did; needed when compute-dtype casts bypass module hooks)."""
-    if isinstance(out, DTensor) and isinstance(residual, DTensor) and out.placements != residual.placements:
+    if (
+        isinstance(out, DTensor)
+        and isinstance(residual, DTensor)
+        and out.placements != residual.placements
+    ):
         return out.redistribute(placements=residual.placements)
     return out
 

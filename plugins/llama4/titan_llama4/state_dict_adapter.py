@@ -46,7 +46,7 @@ def _template(key: str) -> tuple[str, str | None]:
     match = _LAYER.search(key)
     if match is None:
         return key, None
-    return key[: match.start()] + "{}" + key[match.end():], match.group(1)
+    return key[: match.start()] + "{}" + key[match.end() :], match.group(1)
 
 
 class Llama4StateDictAdapter:
@@ -83,7 +83,9 @@ class Llama4StateDictAdapter:
                 raise KeyError(f"no Hugging Face name for {key!r}")
         for layer, parts in experts.items():
             # ours (E, hidden, dim) each -> HF (E, dim, 2*hidden), gate (w1) first
-            out[_GATE_UP.format(layer)] = _cat_last(parts["w1"].transpose(-1, -2), parts["w3"].transpose(-1, -2))
+            out[_GATE_UP.format(layer)] = _cat_last(
+                parts["w1"].transpose(-1, -2), parts["w3"].transpose(-1, -2)
+            )
         return out
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
