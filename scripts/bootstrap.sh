@@ -32,7 +32,9 @@ pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 CONSTRAINT=(-c "$ROOT/requirements/constraints.txt")
 
 echo "==> torch (CPU build, pinned; first, so nothing pulls a CUDA build)"
-pip install -r "$ROOT/requirements/torch-cpu.txt"
+# Few retries: where the PyTorch CPU index is unreachable (a closed network with a
+# local wheel store), pip falls back to the local wheel instead of waiting minutes.
+pip install --retries 1 --timeout 10 -r "$ROOT/requirements/torch-cpu.txt"
 
 echo "==> dev tools"
 pip install "${CONSTRAINT[@]}" -r "$ROOT/requirements/dev.txt"
