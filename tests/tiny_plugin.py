@@ -28,6 +28,8 @@ class TinyConfig:
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_seq_len: int = 256
+    fail_on_rank: int = -1  # tests: this rank raises in parallelize (-1: none)
+    fail_user_error: bool = False  # raise a ConfigError instead of a crash
 
 
 FLAVORS = {
@@ -228,10 +230,18 @@ def _model_module():
 
 # ------------------------------------------------------------- parallelize
 def parallelize(model, parallel_dims, job_config):
+    import torch.distributed as dist
+
     from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
     from titan_plugins.distributed.compile import apply_compile
     from titan_plugins.distributed.fsdp import apply_fsdp
 
+    if model.config.fail_on_rank == dist.get_rank():
+        if model.config.fail_user_error:
+            from titan_plugins.errors import ConfigError
+
+            raise ConfigError(f"tiny: injected user error on rank {dist.get_rank()}")
+        raise RuntimeError(f"tiny: injected failure on rank {dist.get_rank()}")
     if parallel_dims.tp_enabled:
         _apply_tp(model, parallel_dims.mesh("tp"), job_config)
     apply_activation_checkpointing(model, job_config)

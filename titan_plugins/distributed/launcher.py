@@ -24,7 +24,7 @@ from titan_plugins.distributed.parallel_dims import threads_per_rank
 
 __all__ = ["free_port", "launch"]
 
-_NOISY = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run")
+_NOISY = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing")
 
 
 def free_port() -> int:

@@ -51,7 +51,10 @@ def read_results(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
 def format_table(results: list[dict[str, Any]]) -> str:
     header = ("job", "overrides", "final loss", "tokens/s", "status")
     rows = [header]
-    for r in results:
+    split = [str(r.get("overrides", "")).split() for r in results]
+    common = set.intersection(*(set(s) for s in split)) if len(split) > 1 else set()
+    for r, ovr in zip(results, split):
+        r = {**r, "overrides": " ".join(o for o in ovr if o not in common)}
         loss = r.get("final_loss")
         tps = r.get("tokens_per_s")
         status = r.get("status", "?")

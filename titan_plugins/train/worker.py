@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,8 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     from titan_plugins.train.trainer import Trainer
 
     _set_threads()
+    # Init-time DTensor random ops on CPU meshes work; torch warns once per rank.
+    warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     job = load_job(config_path)
     run_dir = Path(job.run_dir)
     pm = get_plugin_manager(strict=True)
@@ -85,9 +88,12 @@ def _record(exc: BaseException, user: bool) -> None:
     if not path:
         return
     rank = os.environ.get("RANK", "0")
-    message = str(exc).strip().splitlines()[0] if user and str(exc).strip() else (
-        f"rank {rank} failed:\n{''.join(traceback.format_exception(exc))}".rstrip()
-    )
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if user:
+        message = first or type(exc).__name__
+    else:
+        tb = "".join(traceback.format_exception(exc)).rstrip()
+        message = f"rank {rank} crashed: {type(exc).__name__}: {first}\n{tb}"
     data = {
         "message": {
             "message": message,

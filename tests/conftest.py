@@ -1,0 +1,8 @@
+# --- titan runtime (tests/test_runtime_*.py) --------------------------------
+import os
+import sys
+
+_TESTS = os.path.dirname(os.path.abspath(__file__))
+if _TESTS not in sys.path:  # tiny_plugin.py lives here; ranks get it via PYTHONPATH
+    sys.path.insert(0, _TESTS)
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,114 @@
+"""Real runs on gloo (1, 2, 4 and 8 spawned ranks) of the tiny test model.
+
+Each run is a few steps at seq 32; equalities are exact where the arithmetic is
+the same (resume), and ~1e-5 where only float reordering differs (parallelism).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from titan_plugins.train.api import run
+
+pytestmark = pytest.mark.slow
+BASE = ["model=tiny", "training.seq_len=32", "metrics.tensorboard=false", "metrics.console=false"]
+EXTRA = ["tiny_plugin"]
+TIMEOUT = 240
+
+
+def _run(tmp, name, *overrides, check=True):
+    result = run([*BASE, *overrides], run_dir=tmp / name, extra_plugins=EXTRA, timeout=TIMEOUT)
+    if check:
+        assert result.returncode == 0, f"{name}: {result.error}\n{result.stderr[-3000:]}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """A seed checkpoint and the single-rank reference losses from it (4 sequences/step)."""
+    tmp = tmp_path_factory.mktemp("seed")
+    _run(tmp, "seed", "checkpoint.create_seed=true")
+    seed = tmp / "seed" / "checkpoints" / "seed"
+    assert (seed / ".metadata").is_file()
+    ref = _run(tmp, "single", f"checkpoint.init_from={seed}", "training.steps=3", "training.local_batch_size=4")
+    return seed, ref.losses
+
+
+def test_hsdp_and_grad_accum_match_single_rank(tmp_path, seeded):
+    seed, ref = seeded
+    hsdp = _run(tmp_path, "hsdp", "parallelism=hsdp2_fsdp2", f"checkpoint.init_from={seed}", "training.steps=3",
+                "training.local_batch_size=1")
+    assert hsdp.losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    "schedule", ["GPipe", "OneFOneB", "Interleaved1F1B"]  # OneFOneB: the enum name of "1F1B"
+)
+def test_pipeline_schedules_match_single_rank(tmp_path, seeded, schedule):
+    seed, ref = seeded
+    extra = ["parallelism.pp_stages_per_rank=2"] if schedule == "Interleaved1F1B" else []
+    pp = _run(tmp_path, schedule, "parallelism=pp2", f"parallelism.pp_schedule={schedule}", *extra,
+              f"checkpoint.init_from={seed}", "training.steps=3", "training.local_batch_size=4")
+    assert pp.losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
+    assert all(g > 0 for g in pp.grad_norms)
+
+
+def test_fsdp_tp_pp_matches_single_rank(tmp_path, seeded):
+    seed, ref = seeded
+    # 8 ranks: dp 2 x tp 2 x pp 2; 2 sequences per DP rank = the reference's 4.
+    r = _run(tmp_path, "3d", "parallelism=fsdp2_tp2_pp2", f"checkpoint.init_from={seed}", "training.steps=3",
+             "training.local_batch_size=2", "parallelism.pp_microbatches=2", "training.dump_final_params=true")
+    assert r.losses == pytest.approx(ref, rel=1e-5, abs=1e-5)
+    import torch
+
+    params = torch.load(tmp_path / "3d" / "final_params.pt")
+    assert params["tok_embeddings.weight"].shape == (2048, 32) and "layers.3.attention.wq.weight" in params
+    assert not any("freqs_cis" in k for k in params)
+
+
+def test_resume_is_exact_and_checkpoint_loads_under_other_parallelism(tmp_path):
+    ckpt = ["checkpoint.enabled=true", "checkpoint.interval=2", "training.local_batch_size=2"]
+    full = _run(tmp_path, "full", "parallelism=fsdp2", "training.steps=4", *ckpt)
+    _run(tmp_path, "resumed", "parallelism=fsdp2", "training.steps=2", *ckpt)
+    folder = tmp_path / "resumed" / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+    # fsdp2 (2 x 2 sequences) -> tp2 (1 x 4 sequences): same data, same weights and optimizer.
+    tp = _run(tmp_path, "tp2", "parallelism=tp2", "training.steps=3", "checkpoint.enabled=true",
+              f"checkpoint.folder={folder}", "checkpoint.interval=0", "checkpoint.save_final=false",
+              "training.local_batch_size=4")
+    assert tp.steps == [3]
+    assert tp.losses[0] == pytest.approx(full.losses[2], rel=1e-5)
+    resumed = _run(tmp_path, "resumed", "parallelism=fsdp2", "training.steps=4", *ckpt, "checkpoint.keep_last=1")
+    assert resumed.steps == [1, 2, 3, 4]
+    assert resumed.losses == full.losses  # bit for bit
+    assert resumed.grad_norms == full.grad_norms
+    assert sorted(p.name for p in folder.iterdir()) == ["step-4"]
+
+
+def test_failing_rank_ends_the_job_with_its_error(tmp_path):
+    r = _run(tmp_path, "fail", "parallelism=fsdp2", "model.fail_on_rank=1", "training.steps=2", check=False)
+    assert r.returncode == 1
+    assert r.error.startswith("rank 1 crashed: RuntimeError: tiny: injected failure on rank 1")
+    assert r.stderr.count("injected failure on rank 1") <= 2  # the first line + the traceback's last
+
+
+def test_multirun_reports_failed_job_and_goes_on(tmp_path):
+    import os
+
+    env = {**os.environ, "TITAN_PLUGINS_EXTRA": "tiny_plugin",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "titan_plugins.cli.run", "-m", *BASE, "training.steps=1",
+         "training.local_batch_size=1", "model.fail_on_rank=0,-1", "model.fail_user_error=true",
+         f"hydra.sweep.dir={sweep}"],
+        env=env, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "2 jobs, 1 failed" in proc.stdout
+    table = proc.stdout.split("failed\n", 1)[1]
+    assert "failed: tiny: injected user error on rank 0" in table and " ok" in table
+    assert proc.stderr.count("error: tiny: injected user error on rank 0") == 1

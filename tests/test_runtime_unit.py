@@ -1,0 +1,115 @@
+"""In-process checks of the runtime pieces: no ranks are spawned here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from titan_plugins.distributed.clip_grad import clip_grad_norm_
+from titan_plugins.distributed.pipeline import layer_ranges, stage_ids, validate_pipeline
+from titan_plugins.errors import ConfigError
+from titan_plugins.train.loss import GlobalTokenLoss
+from titan_plugins.train.optimizer import lr_lambda, param_groups
+from titan_plugins.train.sweep import format_table
+
+EXTRA = ["tiny_plugin"]
+
+
+@pytest.fixture
+def pm(monkeypatch):
+    from titan_plugins.plugins import get_plugin_manager
+
+    monkeypatch.setenv("TITAN_PLUGINS_EXTRA", "tiny_plugin")
+    return get_plugin_manager(strict=True)
+
+
+def test_layer_ranges_even_split_and_too_few_layers():
+    assert layer_ranges(5, 2) == [(0, 3), (3, 5)]
+    assert layer_ranges(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert stage_ids(1, 2, 2) == [1, 3]
+    with pytest.raises(ConfigError, match="3 layers, fewer than the 4 pipeline stages"):
+        layer_ranges(3, 4)
+
+
+def test_lr_schedule_warmup_then_decay():
+    t = OmegaConf.create({"warmup_steps": 2, "steps": 10, "decay": "cosine", "min_lr_ratio": 0.1})
+    assert lr_lambda(0, t) == pytest.approx(1 / 3)
+    assert lr_lambda(2, t) == pytest.approx(1.0)
+    assert lr_lambda(10, t) == pytest.approx(0.1)
+    t.decay = "linear"
+    assert lr_lambda(6, t) == pytest.approx(0.1 + 0.9 * 0.5)
+
+
+def test_weight_decay_groups_skip_vectors():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    decay, no_decay = param_groups(model, 0.1)
+    assert [p.ndim for p in decay["params"]] == [2] and no_decay["weight_decay"] == 0.0
+    assert len(no_decay["params"]) == 3
+
+
+def test_loss_is_sum_over_global_tokens():
+    logits, labels = torch.randn(2, 3, 7), torch.randint(0, 7, (2, 3))
+    loss_fn = GlobalTokenLoss()
+    loss_fn.global_tokens = 12.0  # as if a second DP rank held 6 more tokens
+    full = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    assert loss_fn(logits, labels).item() == pytest.approx(full.item() / 2)
+
+
+def test_clip_grad_norm_plain_tensors():
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(4))
+    a.grad, b.grad = torch.full((3,), 2.0), torch.full((4,), 2.0)
+    norm = clip_grad_norm_([a, b], max_norm=1.0)
+    assert norm.item() == pytest.approx(math.sqrt(7 * 4))
+    assert torch.cat([a.grad, b.grad]).norm().item() == pytest.approx(1.0, rel=1e-5)
+
+
+def test_pipeline_settings_are_checked():
+    par = OmegaConf.create({"pp": 2, "pp_schedule": "1F1B", "pp_stages_per_rank": 2, "pp_microbatches": None})
+    with pytest.raises(ConfigError, match="needs a multi-stage schedule"):
+        validate_pipeline(par, 4)
+    par.pp_schedule, par.pp_microbatches = "Interleaved1F1B", 3
+    with pytest.raises(ConfigError, match="not divisible by parallelism.pp_microbatches=3"):
+        validate_pipeline(par, 4)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism=tp2", "model.n_kv_heads=1"], "model.n_kv_heads=1 is not divisible by parallelism.tp=2"),
+        (["parallelism=pp4", "model.n_layers=2"], "2 layers, fewer than the 4 pipeline stages"),
+        (["parallelism.tp=2", "parallelism.etp=3"], "parallelism.etp=3 must be 1 or equal to parallelism.tp=2"),
+        (["parallelism.dp_shard=3", "parallelism.world_size=4"], "multiply to 3"),
+        (["parallelism=fsdp2_ep2"], "does not support parallelism.ep=2"),
+        (["training.local_batch_size=0"], "training.local_batch_size=0 must be at least 1"),
+        (["checkpoint.init_from=/nonexistent"], "checkpoint.init_from=/nonexistent"),
+    ],
+)
+def test_bad_settings_fail_with_one_line_before_launch(pm, overrides, message):
+    from titan_plugins.train.api import prepare_job
+
+    with pytest.raises(ConfigError) as info:
+        prepare_job(["model=tiny", *overrides], pm)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_cli_prints_one_error_line(monkeypatch, capsys):
+    from titan_plugins.cli.run import main
+
+    monkeypatch.setenv("TITAN_PLUGINS_EXTRA", "tiny_plugin")
+    assert main(["model=tiny", "parallelism=tp4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: model.n_kv_heads=2 is not divisible by parallelism.tp=4"]
+
+
+def test_sweep_table_drops_common_overrides():
+    rows = [
+        {"job": "0", "overrides": "model=tiny parallelism=single", "final_loss": 7.5, "tokens_per_s": 10.0,
+         "status": "ok"},
+        {"job": "1", "overrides": "model=tiny parallelism=fsdp2", "status": "failed", "error": "boom\ntb"},
+    ]
+    table = format_table(rows)
+    assert "parallelism=fsdp2" in table and "model=tiny" not in table
+    assert "7.5000" in table and "failed: boom" in table
