@@ -38,6 +38,10 @@ CASES = {
         parallelism=dict(dp_shard=2, tp=2, ep=1, sequence_parallel=False), model=dict(q_lora_rank=24),
     ),
     "fsdp4_ep4": dict(parallelism=dict(dp_shard=4, ep=4), model={}),
+    # Both pipeline stages of a pp=2 split on every rank, chained by hand: the TP plan on
+    # a stage without tok_embeddings (and one without norm / lm_head), plain hidden
+    # states across the boundary, freqs_cis a plain buffer on each stage.
+    "pp2_stages_fsdp2_tp2_ep2": dict(parallelism=dict(dp_shard=2, tp=2, ep=2, etp=1), model={}, stages=2),
     "fsdp2_tp2_ep2_bf16_compute": dict(
         parallelism=dict(dp_shard=2, tp=2, ep=2, etp=1), model={}, compute_dtype=torch.bfloat16,
     ),
@@ -58,14 +62,14 @@ def _job(case: dict):
 
 
 def run_case(name: str, case: dict, world: int) -> dict:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel
-
     from titan_deepseek_v3.config import make_config
     from titan_deepseek_v3.model import build
     from titan_deepseek_v3.parallelize import parallelize
     from titan_deepseek_v3.validate import validate
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
     from titan_plugins.distributed.parallel_dims import ParallelDims
 
     par, job = _job(case)
@@ -92,22 +96,44 @@ def run_case(name: str, case: dict, world: int) -> dict:
     ref_loss.backward()
 
     with torch.device("meta"):
-        model = build(config)
-    model.set_compute_dtype(dtype)
-    model = parallelize(model, dims, job)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    set_model_state_dict(model, ref.state_dict(), options=StateDictOptions(full_state_dict=True))
-    assert "freqs_cis" not in str(list(model.state_dict()))
-    assert not isinstance(model.freqs_cis, DTensor)
-    torch.testing.assert_close(model.freqs_cis, ref.freqs_cis, rtol=0, atol=0)
+        whole = build(config)
+    whole.set_compute_dtype(dtype)
+    n_stages = case.get("stages", 1)
+    if n_stages == 1:
+        parts = [whole]
+    else:
+        from types import SimpleNamespace
+
+        from titan_deepseek_v3.plugin import SPEC
+
+        from titan_plugins.distributed.pipeline import split_model
+
+        layout = SimpleNamespace(pp=n_stages, pp_stages_per_rank=1)
+        parts = [split_model(whole, SPEC.pipeline, s, layout)[0][1] for s in range(n_stages)]
+        assert parts[1].tok_embeddings is None and parts[0].lm_head is None and parts[0].norm is None
+    ref_sd = ref.state_dict()
+    for part in parts:
+        parallelize(part, dims, job)
+        part.to_empty(device="cpu")
+        torch.manual_seed(0)
+        with torch.no_grad():
+            part.init_weights(buffer_device=torch.device("cpu"))
+        own = {k.replace("_checkpoint_wrapped_module.", "") for k in part.state_dict()}
+        assert not any("freqs_cis" in k for k in own), own
+        set_model_state_dict(
+            part, {k: v for k, v in ref_sd.items() if k in own}, options=StateDictOptions(full_state_dict=True)
+        )
+        assert not isinstance(part.freqs_cis, DTensor)
+        torch.testing.assert_close(part.freqs_cis, ref.freqs_cis, rtol=0, atol=0)
 
     per = GLOBAL_BATCH // dims.dp_size
     r = dims.dp_rank()
     lp = dims.tp_enabled and bool(par.loss_parallel)
-    logits = model(tokens[r * per:(r + 1) * per])
+    h = tokens[r * per:(r + 1) * per]
+    for part in parts[:-1]:
+        h = part(h)
+        assert not isinstance(h, DTensor), "stages must hand over plain tensors"
+    logits = parts[-1](h)
     assert isinstance(logits, DTensor) == lp, type(logits)
     with loss_parallel() if lp else contextlib.nullcontext():
         loss = F.cross_entropy(
@@ -122,7 +148,9 @@ def run_case(name: str, case: dict, world: int) -> dict:
     torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5 if fp32 else 1e-2, atol=1e-6 if fp32 else 1e-2)
     ref_grads = {k: p.grad for k, p in ref.named_parameters()}
     worst = 0.0
-    for key, p in model.named_parameters():
+    named = [kv for part in parts for kv in part.named_parameters()]
+    assert len(named) == len(ref_grads)
+    for key, p in named:
         key = key.replace("_checkpoint_wrapped_module.", "")
         grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = ref_grads[key]

@@ -38,3 +38,17 @@ def torchtitan_ref():
         "Args": DeepSeekV3ModelArgs,
         "MoEArgs": MoEArgs,
     }
+
+
+@pytest.fixture
+def workdir():
+    """A private scratch directory. Not pytest's tmp_path: its numbered base
+    directories are pruned by other pytest sessions running at the same time, which
+    can delete a directory a multi-rank run is still using."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    path = Path(tempfile.mkdtemp(prefix="titan-ds3-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

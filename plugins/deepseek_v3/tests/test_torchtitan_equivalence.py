@@ -19,11 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-
 from titan_deepseek_v3.config import ScoreFunc, make_config, to_torchtitan
 from titan_deepseek_v3.model import build
 from titan_deepseek_v3.state_dict_adapter import DeepSeekV3StateDictAdapter
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 SEQ = 32
 

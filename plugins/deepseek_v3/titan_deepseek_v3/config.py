@@ -278,7 +278,9 @@ def make_config(flavor: str = "debugmodel", **overrides: Any) -> DeepSeekV3Confi
         merged = OmegaConf.merge(OmegaConf.structured(FLAVORS[flavor]), nested)
         config = OmegaConf.to_object(merged)
     except Exception as exc:
-        raise TypeError(f"make_config: {str(exc).splitlines()[0]}") from exc
+        key = getattr(exc, "full_key", None)
+        where = f"{key}: " if key else ""
+        raise TypeError(f"make_config: {where}{str(exc).splitlines()[0]}") from exc
     config.validate()
     return config
 

@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_deepseek_v3.config import DeepSeekV3Config
 from titan_plugins.components.compute_dtype import cast
 from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
 from titan_plugins.components.moe import MoE
-
-from titan_deepseek_v3.config import DeepSeekV3Config
 
 
 # ----------------------------------------------------------------- compute dtype

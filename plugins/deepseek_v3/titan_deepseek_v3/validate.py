@@ -8,9 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_plugins.errors import ConfigError
-
 from titan_deepseek_v3.config import DeepSeekV3Config
+from titan_plugins.errors import ConfigError
 
 
 def _divides(value: int, value_key: str, degree: int, degree_key: str) -> None:
