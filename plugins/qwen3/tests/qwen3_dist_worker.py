@@ -17,21 +17,23 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
+from titan_qwen3.config import FLAVORS
+from titan_qwen3.model import build
+from titan_qwen3.parallelize import parallelize
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_plugins.config.schema import JobConfig, ParallelismConfig
 from titan_plugins.distributed.parallel_dims import ParallelDims
-from titan_qwen3.config import FLAVORS
-from titan_qwen3.model import build
-from titan_qwen3.parallelize import parallelize
 
 
-def _job(par: dict):
+def _job(par: dict, training: dict):
     job = OmegaConf.structured(JobConfig(model={}))
     for key, value in par.items():
         job.parallelism[key] = value
+    for key, value in training.items():
+        job.training[key] = value
     return job
 
 
@@ -69,12 +71,12 @@ def _cut_stage(model, keep: list[str], first: bool, last: bool):
 
 def check(case: dict) -> dict:
     """One case on this rank; returns the numbers to compare (rank 0 reports)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = dist.get_world_size()
     cfg = dataclasses.replace(FLAVORS[case["flavor"]], **case.get("overrides", {}))
     par = case["par"]
     dims = ParallelDims.from_config(ParallelismConfig(**par), world)
     dims.build_meshes("cpu")
-    job = _job(par)
+    job = _job(par, case.get("training", {}))
     batch, seq = case.get("batch", 2), case.get("seq", 16)
     g = torch.Generator().manual_seed(11)
     tokens = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
@@ -99,6 +101,8 @@ def check(case: dict) -> dict:
     for stage in stages:
         with torch.device("meta"):
             part = build(cfg)
+        if case.get("compute_dtype"):
+            part.set_compute_dtype(getattr(torch, case["compute_dtype"]))
         if stage is not None:
             _cut_stage(part, **stage)
         part = parallelize(part, dims, job)
@@ -170,6 +174,7 @@ def main(rank: int, world: int, port: int, cases: list[dict], result_dir: str) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="DTensor random operators")
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
     try:

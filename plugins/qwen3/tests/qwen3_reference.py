@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from titan_qwen3.config import Qwen3Config
+from titan_qwen3.model import build
 from torch import nn
 from torch.nn.attention import SDPBackend
 
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
-from titan_qwen3.config import Qwen3Config
-from titan_qwen3.model import build
 
 _histc = torch.histc
 

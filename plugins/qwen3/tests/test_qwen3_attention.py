@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from titan_qwen3.config import FLAVORS, AttentionBackend, AttentionMask
 from titan_qwen3.model import build, document_ids, use_flex
 
@@ -69,9 +68,10 @@ def test_backend_choice():
 
 def test_flex_on_cpu_has_no_backward_and_validate_says_so():
     # If a future torch adds the CPU backward, this test tells us to enable it.
+    from titan_qwen3.config import validate
+
     from titan_plugins.config.schema import ParallelismConfig
     from titan_plugins.errors import ConfigError
-    from titan_qwen3.config import validate
 
     model = _model(attn_backend=AttentionBackend.flex).train()
     with pytest.raises(NotImplementedError, match="backward on CPU"):

@@ -17,7 +17,6 @@ except ImportError as exc:  # torchtitan is a test-only dependency (pip install 
     pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
 
 from qwen3_reference import build_ours, build_reference, cpu_histc  # noqa: E402
-
 from titan_qwen3.config import FLAVORS  # noqa: E402
 from titan_qwen3.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 

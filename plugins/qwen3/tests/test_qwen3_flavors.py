@@ -8,11 +8,11 @@ import sys
 
 import pytest
 import torch
+from titan_qwen3.config import FLAVORS, flops, num_params, validate
+from titan_qwen3.model import build
 
 from titan_plugins.config.schema import ParallelismConfig
 from titan_plugins.errors import ConfigError
-from titan_qwen3.config import FLAVORS, flops, num_params, validate
-from titan_qwen3.model import build
 
 
 def _meta_counts(flavor: str) -> tuple[int, int]:
@@ -113,8 +113,9 @@ def test_plugin_import_is_torch_free():
 
 
 def test_plugin_registers_qwen3():
-    from titan_plugins import ModelSpec
     import titan_qwen3.plugin as plugin
+
+    from titan_plugins import ModelSpec
 
     specs = []
     plugin.titan_register_models(specs.append)

@@ -6,14 +6,16 @@ from __future__ import annotations
 import socket
 
 import pytest
+import qwen3_dist_worker
 import torch
 import torch.multiprocessing as mp
-
-import qwen3_dist_worker
-
 from titan_qwen3.config import AttentionBackend, AttentionMask
 
-ATOL = 2e-5  # float reordering of fp32 reductions (DESIGN: ~5e-7 in the loss)
+from titan_plugins.compare.tolerances import BF16_COMPUTE, LOSS_PARITY
+
+# One fp32 forward/backward: gradients differ by float reordering only (measured
+# ~2e-7); the loss uses the project's parity tolerance.
+ATOL = 2e-5
 
 
 def _free_port() -> int:
@@ -59,6 +61,10 @@ def test_tp2_matches_single_process(tmp_path):
         {**moe, "par": {"tp": 2, "sequence_parallel": False}},
         {**moe, "par": {"dp_shard": 2, "ep": 2}},                           # EP + FSDP
         {**DENSE, "par": {"dp_shard": 2}},                                  # FSDP, tied
+        {**DENSE, "par": {"tp": 2}, "training": {"activation_checkpoint": "full"}},
+        # bf16 compute (fp32 weights) under TP: the projections bypass module hooks,
+        # DTensor keeps the math right; compared with the fp32 reference loosely.
+        {**DENSE, "par": {"tp": 2}, "compute_dtype": "bfloat16"},
         # PP+TP: three stages (the later ones without tok_embeddings) chained on the
         # same ranks, hidden states crossing as plain local shards; also seq % tp != 0.
         {**UNTIED, "par": {"tp": 2}, "stages": THREE_STAGES},
@@ -78,6 +84,8 @@ def test_tp2_matches_single_process(tmp_path):
             assert res["logits_dtensor"] and res["max_logits_diff"] < ATOL, (case, res)
             continue
         print(case["par"], case.get("seq", 16), {k: res[k] for k in ("loss", "ref_loss", "max_grad_diff")})
-        assert res["loss"] == pytest.approx(res["ref_loss"], abs=ATOL), case
-        assert res["max_grad_diff"] < ATOL, (case, res["worst"], res["max_grad_diff"])
+        bf16 = bool(case.get("compute_dtype"))
+        assert (BF16_COMPUTE if bf16 else LOSS_PARITY).allows(res["ref_loss"], res["loss"]), (case, res)
+        atol = BF16_COMPUTE.atol if bf16 else ATOL
+        assert res["max_grad_diff"] < atol, (case, res["worst"], res["max_grad_diff"])
     assert results[0]["logits_dtensor"] and not results[1]["logits_dtensor"]

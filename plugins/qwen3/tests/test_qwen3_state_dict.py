@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-
 from titan_qwen3.config import FLAVORS
 from titan_qwen3.model import build
 from titan_qwen3.state_dict_adapter import Qwen3StateDictAdapter
