@@ -71,7 +71,17 @@ def make_seed_checkpoint(overrides: list[str], workdir: Path) -> Path:
     result = run([*overrides, "parallelism=single", "checkpoint.create_seed=true"], run_dir=run_dir)
     if result.returncode != 0:
         raise RuntimeError(f"creating the seed checkpoint failed: {result.error}")
-    return run_dir / "seed_checkpoint"
+    return seed_checkpoint_path(run_dir, overrides)
+
+
+def seed_checkpoint_path(run_dir: Path, overrides: list[str]) -> Path:
+    """Where the worker writes the seed: ``<run_dir>/<checkpoint.folder>/seed``."""
+    folder = next(
+        (o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("checkpoint.folder=")),
+        "checkpoints",
+    )
+    path = Path(folder)
+    return (path if path.is_absolute() else run_dir / path) / "seed"
 
 
 def run_side(label: str, overrides: list[str], workdir: Path, *, with_params: bool) -> Curve:

@@ -120,13 +120,38 @@ def split_model(
     return parts
 
 
+def _side_effect_free_stage_class() -> type:
+    """A ``PipelineStage`` whose metadata inference leaves module buffers untouched.
+
+    On its first step, torch's stage infers shapes by running a real forward (real
+    tokens on the first stage, uninitialised tensors on later ones). Buffers that a
+    forward updates, such as MoE ``tokens_per_expert``, would count that pass too and
+    skew load balancing under PP only; so buffers are restored after inference.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    class SideEffectFreeStage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            saved = [(buf, buf.detach().clone()) for buf in self.submod.buffers()]
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                # Only buffers the pass changed: an untouched one (freqs_cis) may be
+                # saved for the backward inference that follows, so keep its version.
+                with torch.no_grad():
+                    for buf, value in saved:
+                        if not torch.equal(buf, value):
+                            buf.copy_(value)
+
+    return SideEffectFreeStage
+
+
 def build_stages(
     parts: list[tuple[int, nn.Module]], num_stages: int, device: torch.device, pp_group: Any
 ) -> list[Any]:
-    from torch.distributed.pipelining import PipelineStage
-
+    stage_cls = _side_effect_free_stage_class()
     return [
-        PipelineStage(module, stage_index, num_stages, device, group=pp_group)
+        stage_cls(module, stage_index, num_stages, device, group=pp_group)
         for stage_index, module in parts
     ]
 
