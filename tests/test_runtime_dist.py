@@ -45,7 +45,7 @@ def test_hsdp_and_grad_accum_match_single_rank(tmp_path, seeded):
 
 
 @pytest.mark.parametrize(
-    "schedule", ["GPipe", "OneFOneB", "Interleaved1F1B"]  # OneFOneB: the enum name of "1F1B"
+    "schedule", ["GPipe", "1F1B", "Interleaved1F1B"]
 )
 def test_pipeline_schedules_match_single_rank(tmp_path, seeded, schedule):
     seed, ref = seeded

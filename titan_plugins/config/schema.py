@@ -18,12 +18,6 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
-class PipelineSchedule(str, Enum):
-    GPipe = "GPipe"
-    OneFOneB = "1F1B"
-    Interleaved1F1B = "Interleaved1F1B"
-
-
 class ReshardAfterForward(str, Enum):
     default = "default"  # reshard every block except the last (torchtitan's choice)
     always = "always"
@@ -60,7 +54,9 @@ class ParallelismConfig:
     world_size: int | None = None  # only needed with dp_shard=-1 outside torchrun
     sequence_parallel: bool = True
     loss_parallel: bool = True
-    pp_schedule: PipelineSchedule = PipelineSchedule.OneFOneB
+    # GPipe | 1F1B | Interleaved1F1B. A str, not an Enum: an Enum member cannot be
+    # named "1F1B", and users type the schedule's real name. Checked before launch.
+    pp_schedule: str = "1F1B"
     pp_microbatches: int | None = None  # default: the number of stages
     pp_stages_per_rank: int = 1  # >1 for interleaved schedules
     fsdp_reshard_after_forward: ReshardAfterForward = ReshardAfterForward.default

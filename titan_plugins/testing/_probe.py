@@ -149,9 +149,8 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
     if degrees.get("ep", 1) > 1:
         world //= degrees["ep"]  # EP borrows ranks
     desc = " ".join(f"{k}={v}" for k, v in degrees.items())
-    extra = target.ep_overrides if kind == "ep" else ()
     par = [f"parallelism.{k}={v}" for k, v in degrees.items()]
-    overrides = [f"model={target.model}", *target.overrides, *extra, *par]
+    overrides = [f"model={target.model}", *target.for_kind(kind).overrides, *par]
     try:
         cfg = hydra_glue.compose(overrides, pm)
         _, job = hydra_glue.resolve_job(cfg, pm)
@@ -161,8 +160,8 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
             validate(config, job.parallelism)
     except ConfigError as exc:
         return _problem(kind, f"{desc} is rejected for this model: {exc}",
-                        fix=f"pick overrides the model accepts under {desc} (Target overrides"
-                        + (" / ep_overrides" if kind == "ep" else "") + ")")
+                        fix=f"pick overrides the model accepts under {desc} (overrides"
+                        + (f" / {kind}_overrides" if kind in ("ep", "pp") else "") + ")")
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     dims = ParallelDims.from_config(job.parallelism, world)
     dims.build_meshes("cpu")

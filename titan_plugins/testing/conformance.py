@@ -103,16 +103,25 @@ class Target:
     """What the kit checks: model ``model`` with ``overrides`` (Hydra, e.g.
     ``"model.n_layers=2"``). ``plugins`` names plugin modules registered without an
     installed distribution (like ``TITAN_PLUGINS_EXTRA``); they must be importable.
-    ``ep_overrides`` are added for the EP check (e.g. a flavor with experts)."""
+    ``ep_overrides`` are added for the EP check (e.g. a flavor with experts) and
+    ``pp_overrides`` for the pipeline checks (e.g. untied embeddings)."""
 
     model: str
     overrides: tuple[str, ...] = ()
     plugins: tuple[str, ...] = ()
     ep_overrides: tuple[str, ...] = ()
+    pp_overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("overrides", "plugins", "ep_overrides"):
+        for name in ("overrides", "plugins", "ep_overrides", "pp_overrides"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
+
+    def for_kind(self, kind: str) -> Target:
+        """This target with the overrides of one parallelism (``ep``, ``pp``) added."""
+        extra = {"ep": self.ep_overrides, "pp": self.pp_overrides}.get(kind, ())
+        if not extra:
+            return self
+        return dataclasses.replace(self, overrides=self.overrides + extra, ep_overrides=(), pp_overrides=())
 
     def env(self) -> dict[str, str]:
         """The environment for subprocesses: this interpreter's import path and the
@@ -353,11 +362,17 @@ def check_schema(target: Target) -> None:
 
 def check_compose(target: Target) -> None:
     """Every flavor composes through Hydra (``model=<name> model.flavor=<flavor>``
-    plus the target's overrides) and resolves into the schema."""
+    plus the target's overrides) and resolves into the schema; the composed
+    ``model`` node is typed by the schema (the YAML starts from ``/schema/model/<name>``)."""
+    from omegaconf import OmegaConf
+
     from titan_plugins.config import hydra_glue
+    from titan_plugins.spec import resolve
 
     loaded = _load(target)
     pm, spec = loaded.pm, loaded.spec
+    yaml = f"conf/model/{target.model}.yaml"
+    start = f"`defaults: [/schema/model/{target.model}@_here_, _self_]`"
     for flavor in spec.flavor_names():
         overrides = [f"model={target.model}", f"model.flavor={flavor}", *target.overrides]
         try:
@@ -367,13 +382,20 @@ def check_compose(target: Target) -> None:
         except Exception as exc:
             raise ContractError(
                 "hydra-compose", f"{' '.join(overrides)} does not compose: {_one_line(exc)}",
-                f"conf/model/{target.model}.yaml must start with `defaults: [/schema/model/"
-                f"{target.model}@_here_, _self_]` and set name: {target.model}; every flavor must "
+                f"{yaml} must start with {start} and set name: {target.model}; every flavor must "
                 "hold valid values for the schema") from None
         if job.model.get("name") != target.model:
             raise ContractError(
                 "hydra-compose", f"model={target.model} composes a model node named {job.model.get('name')!r}",
-                f"set name: {target.model} in conf/model/{target.model}.yaml")
+                f"set name: {target.model} in {yaml}")
+        node_type = OmegaConf.get_type(cfg.model)
+        schema = resolve(spec.config)
+        if not (isinstance(node_type, type) and issubclass(node_type, schema)):
+            raise ContractError(
+                "hydra-compose", f"{yaml} does not start from the stored schema: the composed model node "
+                f"is an untyped {getattr(node_type, '__name__', node_type)}, so Hydra cannot check "
+                "model.* overrides (or sweeps) when it composes",
+                f"start {yaml} with {start}")
     return None
 
 
@@ -394,23 +416,25 @@ def _bad_value_for(tp: Any) -> str | None:
 
 def check_typed_override(target: Target) -> None:
     """A wrongly typed ``model.<key>=...`` and an unknown ``model.<key>`` are both
-    rejected at composition with a one-line error naming the key (the model group
-    is typed by the schema, not a plain YAML dict)."""
+    rejected before any rank starts (composition and resolution) with a one-line
+    ``ConfigError`` naming the key: the schema types every field."""
     from titan_plugins.config import hydra_glue
     from titan_plugins.errors import ConfigError
     from titan_plugins.spec import resolve
 
     loaded = _load(target)
     schema = resolve(loaded.spec.config)
-    fix = (f"start conf/model/{target.model}.yaml with `defaults: [/schema/model/{target.model}@_here_, "
-           "_self_]` so Hydra types the node with your schema (the core stores it)")
+    fix = (f"give the schema typed fields (int, float, bool, Enum; not Any) and start "
+           f"conf/model/{target.model}.yaml with `defaults: [/schema/model/{target.model}@_here_, _self_]`")
     candidates = [(key, bad) for key, tp in _schema_fields(schema) if (bad := _bad_value_for(tp))]
     probes = [(f"model.{key}", bad) for key, bad in candidates[:1]]
     probes.append(("model.no_such_key_for_conformance", "1"))
     for key, bad in probes:
         override = f"{key}={bad}"
         try:
-            hydra_glue.compose([f"model={target.model}", *target.overrides, override], loaded.pm)
+            cfg = hydra_glue.compose([f"model={target.model}", *target.overrides, override], loaded.pm)
+            _, job = hydra_glue.resolve_job(cfg, loaded.pm)
+            hydra_glue.model_config(job.model, loaded.spec)
         except ConfigError as exc:
             leaf = key.rsplit(".", 1)[-1]
             if leaf not in str(exc):
@@ -421,7 +445,7 @@ def check_typed_override(target: Target) -> None:
         except Exception as exc:
             raise ContractError("typed-override", f"{override} failed with {_one_line(exc)} instead of a "
                                 "ConfigError naming the key", fix) from None
-        raise ContractError("typed-override", f"{override} was accepted: the model config group is untyped", fix)
+        raise ContractError("typed-override", f"{override} was accepted: the schema does not type it", fix)
     return None
 
 
@@ -661,6 +685,7 @@ def check_pipeline_split(target: Target) -> None:
 
     from titan_plugins.distributed.pipeline import split_model
 
+    target = target.for_kind("pp")
     loaded = _job(target)
     info = loaded.spec.pipeline
     if info is None:
@@ -796,13 +821,15 @@ def check_parallelize(target: Target, kind: str) -> None:
 
 
 # ----------------------------------------------------------- loss parity
+# kind -> the 2-rank run; every run starts from one seed checkpoint (made once on
+# one rank, as titan-compare does) and sees the same global batch of 4 sequences.
 _PARITY_RUNS = {
-    # kind -> (overrides of the 2-rank run); the baseline is one rank with 2 microbatches
-    "fsdp": ("parallelism=fsdp2", "training.grad_accum_steps=1"),
-    "tp": ("parallelism=tp2", "training.grad_accum_steps=2"),
+    "fsdp": ("parallelism=fsdp2", "training.local_batch_size=2"),
+    "tp": ("parallelism=tp2", "training.local_batch_size=4"),
 }
-TRAIN_OVERRIDES = ("training.steps=3", "training.local_batch_size=2", "training.seq_len=32",
-                   "training.warmup_steps=1", "metrics.tensorboard=false", "metrics.console=false")
+_PARITY_BASE = ("parallelism=single", "training.local_batch_size=4")
+TRAIN_OVERRIDES = ("training.steps=3", "training.seq_len=32", "training.warmup_steps=1",
+                   "training.deterministic=true", "metrics.tensorboard=false", "metrics.console=false")
 
 
 def check_loss_parity(
@@ -810,8 +837,8 @@ def check_loss_parity(
     train_overrides: Sequence[str] = TRAIN_OVERRIDES, timeout: float = 300.0,
 ) -> None:
     """A short gloo run at 2 ranks (``fsdp``: dp_shard=2, ``tp``: tp=2) gives the
-    single-rank loss (one rank, 2 gradient-accumulation microbatches: the same
-    global batch) at every step within ``LOSS_PARITY``."""
+    single-rank loss at every step within ``LOSS_PARITY``: both start from one seed
+    checkpoint and see the same global batch."""
     import tempfile
 
     from titan_plugins.compare.tolerances import LOSS_PARITY
@@ -819,31 +846,37 @@ def check_loss_parity(
     loaded = _load(target)
     if not getattr(loaded.spec.capabilities, kind):
         return f"model {target.model!r} does not declare {kind}"
-    base_dir = run_dir or loaded.cache.setdefault("tmp", tempfile.mkdtemp(prefix="titan-kit-"))
+    base_dir = str(run_dir or loaded.cache.setdefault("tmp", tempfile.mkdtemp(prefix="titan-kit-")))
     common = [f"model={target.model}", *target.overrides, *train_overrides]
     key = ("parity-base", tuple(train_overrides))
     if key not in loaded.cache:
-        loaded.cache[key] = _train(target, [*common, "parallelism=single", "training.grad_accum_steps=2"],
-                                   os.path.join(base_dir, "single"), timeout)
-    base = loaded.cache[key]
-    test = _train(target, [*common, *_PARITY_RUNS[kind]], os.path.join(base_dir, kind), timeout)
+        seed_dir = os.path.join(base_dir, "seed")
+        _train(target, [*common, "parallelism=single", "checkpoint.create_seed=true"], seed_dir, timeout,
+               losses=False)
+        seed = os.path.join(seed_dir, "checkpoints", "seed")
+        base = _train(target, [*common, *_PARITY_BASE, f"checkpoint.init_from={seed}"],
+                      os.path.join(base_dir, "single"), timeout)
+        loaded.cache[key] = (seed, base)
+    seed, base = loaded.cache[key]
+    test = _train(target, [*common, *_PARITY_RUNS[kind], f"checkpoint.init_from={seed}"],
+                  os.path.join(base_dir, kind), timeout)
     tol = LOSS_PARITY
     for step, (b, t) in enumerate(zip(base.losses, test.losses), start=1):
         if not (math.isfinite(t) and tol.allows(b, t)):
             raise ContractError(
                 "loss-parity",
-                f"step {step}: loss {t:.7f} under {kind} (2 ranks) vs {b:.7f} on one rank with the same "
-                f"global batch (tolerance rtol={tol.rtol:g}, atol={tol.atol:g})",
+                f"step {step}: loss {t:.7f} under {kind} (2 ranks) vs {b:.7f} on one rank, same seed "
+                f"checkpoint and global batch (tolerance rtol={tol.rtol:g}, atol={tol.atol:g})",
                 "a parallelism must not change the math: check the TP plan's layouts (row-wise outputs, "
                 "norms under sequence parallel, replicated modules wrapped), that nothing depends on the "
-                "local batch or sequence size, and compare with `titan-compare`")
+                "local batch or sequence size, and compare the runs with `titan-compare`")
     if len(test.losses) != len(base.losses):
         raise ContractError("loss-parity", f"the {kind} run logged {len(test.losses)} steps, one rank "
                             f"{len(base.losses)}", "make every rank finish every step")
     return None
 
 
-def _train(target: Target, overrides: list[str], run_dir: str, timeout: float):
+def _train(target: Target, overrides: list[str], run_dir: str, timeout: float, *, losses: bool = True):
     from titan_plugins.train.api import run
 
     os.makedirs(run_dir, exist_ok=True)
@@ -853,7 +886,7 @@ def _train(target: Target, overrides: list[str], run_dir: str, timeout: float):
     except Exception as exc:
         raise ContractError("loss-parity", f"{' '.join(overrides)} is rejected: {_one_line(exc)}",
                             "make the model train under titan-run with these overrides") from None
-    if result.returncode != 0 or not result.losses:
+    if result.returncode != 0 or (losses and not result.losses):
         raise ContractError("loss-parity", f"titan-run {' '.join(overrides)} failed: {result.error}",
                             f"run it yourself (run dir {run_dir}) to see the whole error")
     return result

@@ -42,6 +42,7 @@ class ConformanceSuite:
         overrides: Hydra overrides applied to every check (keep the model small).
         plugins: plugin modules to register without installing them.
         ep_overrides: extra overrides for the EP check (e.g. a flavor with experts).
+        pp_overrides: extra overrides for the pipeline checks (e.g. untied embeddings).
         persistent_buffers: buffer names that really are state (kept in state_dict).
         parity: which 2-rank gloo runs must match one rank: ``fsdp``, ``tp``.
         train_overrides: the overrides of those short runs.
@@ -51,6 +52,7 @@ class ConformanceSuite:
     overrides: ClassVar[Sequence[str]] = ()
     plugins: ClassVar[Sequence[str]] = ()
     ep_overrides: ClassVar[Sequence[str]] = ()
+    pp_overrides: ClassVar[Sequence[str]] = ()
     persistent_buffers: ClassVar[Sequence[str]] = ()
     parity: ClassVar[Sequence[str]] = ("fsdp", "tp")
     train_overrides: ClassVar[Sequence[str]] = c.TRAIN_OVERRIDES
@@ -59,7 +61,8 @@ class ConformanceSuite:
     def titan_target(cls) -> c.Target:
         if not cls.model_name:
             raise pytest.UsageError(f"{cls.__name__}: set model_name = '<your model>'")
-        return c.Target(cls.model_name, tuple(cls.overrides), tuple(cls.plugins), tuple(cls.ep_overrides))
+        return c.Target(cls.model_name, tuple(cls.overrides), tuple(cls.plugins),
+                        tuple(cls.ep_overrides), tuple(cls.pp_overrides))
 
     # --------------------------------------------------------- registration
     def test_registration(self) -> None:

@@ -100,7 +100,9 @@ def build_model_parts(
             with torch.no_grad():
                 part.init_weights(buffer_device=device)
         if weight_dtype != torch.float32:
-            part.to(weight_dtype)
+            # Real floating tensors only: Module.to(dtype) would also turn a complex
+            # freqs_cis into a real tensor and drop its imaginary part.
+            part._apply(lambda t: t.to(weight_dtype) if t.is_floating_point() else t)
         part.train()
 
     out = ModelParts(parts=parts)

@@ -9,6 +9,7 @@ exits quietly, so the launcher prints the first failing rank's error once.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -28,6 +29,12 @@ def load_job(path: str | os.PathLike) -> DictConfig:
     from titan_plugins.config.schema import JobConfig
 
     return OmegaConf.merge(OmegaConf.structured(JobConfig), OmegaConf.load(path))
+
+
+def _quiet_rank_logs() -> None:
+    # DTensor warns on every step that a norm over two meshes (experts on ep x
+    # expert_fsdp) takes two all-reduces: true, expected, and unreadable from 8 ranks.
+    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
 
 
 def _set_threads() -> None:
@@ -66,6 +73,7 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     from titan_plugins.train.trainer import Trainer
 
     _set_threads()
+    _quiet_rank_logs()
     # Init-time DTensor random ops on CPU meshes work; torch warns once per rank.
     warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support")
     job = load_job(config_path)

@@ -1,0 +1,107 @@
+"""The conformance kit fails a deliberately broken plugin with the message for the
+contract it breaks (and says how to fix it).
+
+Each broken plugin is the scaffold (``titan-plugins new``) with one mistake an
+author could make, registered as an extra plugin module without installing it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_plugins.cli.scaffold import scaffold
+from titan_plugins.testing.conformance import (
+    ContractError,
+    Target,
+    check_parallelize,
+    check_plugin_import,
+    check_state_dict,
+)
+
+
+def _broken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, file: str, old: str, new: str) -> Target:
+    root, _ = scaffold(name, tmp_path / name)
+    path = root / f"titan_{name}" / file
+    text = path.read_text()
+    assert old in text, f"the scaffold changed: {old!r} not in {file}"
+    path.write_text(text.replace(old, new, 1))
+    monkeypatch.syspath_prepend(str(root))
+    return Target(name, overrides=("model.n_layers=2",), plugins=(f"titan_{name}.plugin",))
+
+
+def test_persistent_rope_cache_fails_state_dict(tmp_path, monkeypatch):
+    target = _broken(tmp_path, monkeypatch, "kitrope", "model.py", "persistent=False", "persistent=True")
+    with pytest.raises(ContractError) as info:
+        check_state_dict(target)
+    message = str(info.value)
+    assert message.startswith("state-dict: buffer 'rope_cache' is saved in state_dict()")
+    assert "Fix: register it with self.register_buffer('rope_cache', ..., persistent=False)" in message
+
+
+def test_plugin_importing_torch_fails_plugin_import(tmp_path, monkeypatch):
+    target = _broken(tmp_path, monkeypatch, "kittorch", "plugin.py", "from titan_plugins import",
+                     "import torch  # noqa: F401\nfrom titan_plugins import")
+    with pytest.raises(ContractError) as info:
+        check_plugin_import(target)
+    message = str(info.value)
+    assert message.startswith("plugin-import: importing titan_kittorch.plugin imported torch")
+    assert "plugin.py:8 `import torch" in message  # where it happened
+    assert "Fix: keep titan_kittorch.plugin" in message
+
+
+_TOK_EMBEDDINGS_ALWAYS = """    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = root_plan(sequence_parallel=sp, loss_parallel=lp)
+    parallelize_module(model, tp_mesh, {"tok_embeddings": plan.pop("tok_embeddings")})
+    apply_tp_plan(model, tp_mesh, plan)"""
+
+
+def test_tp_plan_touching_tok_embeddings_on_a_later_stage_fails_parallelize_pp(tmp_path, monkeypatch):
+    target = _broken(
+        tmp_path, monkeypatch, "kittp", "parallelize.py",
+        "    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp, loss_parallel=lp))",
+        _TOK_EMBEDDINGS_ALWAYS,
+    )
+    # Without a pipeline the plan is fine ...
+    assert check_parallelize(target, "tp") is None
+    # ... on stage 1 of 2 tok_embeddings is None, and the plan still names it.
+    with pytest.raises(ContractError) as info:
+        check_parallelize(target, "pp")
+    message = str(info.value)
+    assert message.startswith("parallelize-pp: the TP plan names 'tok_embeddings', which matches no module")
+    assert "stage 1 of 2 (where tok_embeddings is None)" in message
+    assert "Fix: the hook runs once per pipeline stage" in message
+
+
+def test_a_broken_contract_reads_as_one_line_in_pytest(tmp_path):
+    """Through the pytest plugin: the contract and the fix, no traceback."""
+    root, _ = scaffold("kitline", tmp_path / "kitline")
+    model = root / "titan_kitline" / "model.py"
+    model.write_text(model.read_text().replace("persistent=False", "persistent=True"))
+    test_file = root / "tests" / "test_kitline.py"
+    test_file.write_text(test_file.read_text() + '    plugins = ["titan_kitline.plugin"]\n')
+    # A check called as a plain function: the kit's pytest plugin shortens the report.
+    (root / "tests" / "test_raw.py").write_text(
+        "from titan_plugins.testing import ContractError\n\n\n"
+        "def test_raw():\n"
+        "    raise ContractError('meta-build', 'a made-up problem', 'a made-up fix')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file), str(root / "tests" / "test_raw.py"),
+         "-k", "state_dict or schema or raw"],
+        capture_output=True, text=True, cwd=root, env=env, timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "2 failed, 1 passed" in out, out
+    assert "state-dict: buffer 'rope_cache' is saved in state_dict()" in out, out
+    assert "Fix: register it with self.register_buffer" in out, out
+    assert "meta-build: a made-up problem. Fix: a made-up fix." in out, out
+    assert "Traceback" not in out and "conformance.py" not in out and "raise ContractError" not in out, out

@@ -1,0 +1,126 @@
+"""``titan-plugins new``: the generated plugin installs, lists, trains and passes
+its own tests.
+
+The install goes into a temporary target directory (``pip install --target``),
+never into the project's environment; the commands run in subprocesses with
+``PYTHONPATH`` pointing there (entry points are found through its dist-info).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_plugins.cli.plugins_cmd import main as plugins_main
+from titan_plugins.cli.scaffold import names_for, scaffold
+from titan_plugins.errors import ConfigError
+
+BIN = Path(sys.executable).parent
+EXPECTED = [
+    "README.md",
+    "pyproject.toml",
+    "tests/test_mymodel.py",
+    "titan_mymodel/__init__.py",
+    "titan_mymodel/conf/__init__.py",
+    "titan_mymodel/conf/model/mymodel.yaml",
+    "titan_mymodel/config.py",
+    "titan_mymodel/model.py",
+    "titan_mymodel/parallelize.py",
+    "titan_mymodel/plugin.py",
+    "titan_mymodel/py.typed",
+]
+
+
+def test_names_derived_from_the_model_name():
+    assert names_for("my_model") == {
+        "name": "my_model", "package": "titan_my_model", "dist": "titan-my-model", "Class": "MyModel",
+    }
+    for bad in ("MyModel", "1model", "my-model", "class", ""):
+        with pytest.raises(ConfigError, match="is not valid"):
+            names_for(bad)
+
+
+def test_new_writes_a_complete_package(tmp_path, capsys):
+    dest = tmp_path / "out"
+    assert plugins_main(["new", "mymodel", "--dir", str(dest)]) == 0
+    written = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    assert written == EXPECTED
+    out = capsys.readouterr().out
+    assert "wrote 11 files" in out and "titan-run model=mymodel parallelism=fsdp2_tp2" in out
+    pyproject = (dest / "pyproject.toml").read_text()
+    assert '[project.entry-points.titan_plugins]\nmymodel = "titan_mymodel.plugin"' in pyproject
+    for path in dest.rglob("*"):
+        if path.is_file():
+            assert "{{" not in path.read_text(), f"unrendered placeholder in {path}"
+    # plugin.py and config.py are torch-free; the YAML starts from the stored schema
+    assert "import torch" not in (dest / "titan_mymodel/plugin.py").read_text()
+    assert "/schema/model/mymodel@_here_" in (dest / "titan_mymodel/conf/model/mymodel.yaml").read_text()
+
+
+def test_new_refuses_a_non_empty_directory_and_taken_names(tmp_path, capsys):
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "keep.txt").write_text("mine")
+    assert plugins_main(["new", "mymodel", "--dir", str(tmp_path / "x")]) == 2
+    assert "already exists and is not an empty directory" in capsys.readouterr().err
+    assert plugins_main(["new", "Bad-Name", "--dir", str(tmp_path / "y")]) == 2
+    assert "error: plugin name 'Bad-Name' is not valid" in capsys.readouterr().err
+    assert not (tmp_path / "y").exists()
+
+
+def test_generated_python_is_ruff_clean(tmp_path):
+    ruff = shutil.which("ruff", path=str(BIN)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    root, _ = scaffold("mymodel", tmp_path / "gen")
+    proc = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--select", "E,F,I,UP,B",
+                           "--ignore", "E501,B905", "--line-length", "110", str(root)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_generated_plugin_installs_lists_trains_and_passes_its_tests(tmp_path):
+    root, _ = scaffold("scaffoldgpt", tmp_path / "titan-scaffoldgpt")
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
+         "--target", str(site), str(root)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("TITAN_PLUGINS_EXTRA", None)
+
+    listed = subprocess.run([BIN / "titan-plugins", "list", "--json"], capture_output=True, text=True,
+                            env=env, timeout=120, check=True)
+    plugins = {p["name"]: p for p in json.loads(listed.stdout)["plugins"]}
+    assert plugins["scaffoldgpt"]["dist"] == "titan-scaffoldgpt"
+    assert plugins["scaffoldgpt"]["error"] is None
+    assert [m["name"] for m in plugins["scaffoldgpt"]["models"]] == ["scaffoldgpt"]
+    assert plugins["scaffoldgpt"]["config_groups"] == {"model": ["scaffoldgpt"]}
+
+    run_dir = tmp_path / "run"
+    train = subprocess.run(
+        [BIN / "titan-run", "model=scaffoldgpt", "parallelism=fsdp2_tp2", "training.steps=3",
+         "metrics.tensorboard=false", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    losses = [s["loss"] for s in steps if "loss" in s]
+    assert len(losses) == 3 and all(0 < x < 20 for x in losses), steps
+
+    # Its own tests (the conformance kit), without the 2-rank training runs that
+    # the examples' tests cover; running them from the installed copy's checkout.
+    tests = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not titan_slow"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=root,
+    )
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
+    assert "failed" not in tests.stdout and " passed" in tests.stdout
