@@ -56,6 +56,7 @@ over ``tp`` as well.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,7 +74,12 @@ from torch.distributed.tensor import (
 from titan_plugins.components.moe.moe import MoE
 from titan_plugins.components.moe.token_dispatch import AllToAllTokenDispatcher
 
-__all__ = ["MoEParallel", "apply_moe_parallel", "num_local_tokens_after_padding"]
+__all__ = [
+    "MoEParallel",
+    "apply_moe_parallel",
+    "apply_moe_parallel_to_blocks",
+    "num_local_tokens_after_padding",
+]
 
 
 def num_local_tokens_after_padding(seq_len: int, degree: int) -> int:
@@ -238,3 +244,28 @@ def apply_moe_parallel(
                 _distribute(shared.w3, "weight", tp_mesh, [Shard(0)])
 
     moe.parallel = MoEParallel(mode, tp_mesh, dispatcher, sequence_parallel)
+
+
+def apply_moe_parallel_to_blocks(
+    layers: Any, parallel_dims: Any, *, sequence_parallel: bool, moe_attr: str = "moe"
+) -> None:
+    """``apply_moe_parallel`` on the MoE of every block this stage owns.
+
+    The step each model's parallelize hook takes after its own TP plan: blocks are
+    the values of ``layers`` (missing ones skipped under PP); a block takes part when
+    it has a ``moe_attr`` module that is an ``MoE``. No-op without TP and EP.
+    """
+    tp_mesh = parallel_dims.mesh("tp") if parallel_dims.tp_enabled else None
+    ep_mesh = parallel_dims.mesh("ep") if parallel_dims.ep_enabled else None
+    if tp_mesh is None and ep_mesh is None or layers is None:
+        return
+    for block in layers.values():
+        moe = getattr(block, moe_attr, None) if block is not None else None
+        if isinstance(moe, MoE):
+            apply_moe_parallel(
+                moe,
+                tp_mesh=tp_mesh,
+                ep_mesh=ep_mesh,
+                etp_enabled=parallel_dims.etp_enabled and ep_mesh is not None,
+                sequence_parallel=sequence_parallel,
+            )

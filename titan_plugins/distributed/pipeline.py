@@ -80,19 +80,21 @@ def validate_pipeline(parallelism: Any, local_batch_size: int, n_layers: int | N
             f"parallelism.pp_stages_per_rank={per_rank} needs a multi-stage schedule "
             f"(Interleaved1F1B), not parallelism.pp_schedule={schedule}"
         )
+    if n_layers is not None:  # the model's shape first: no batch setting can fix it
+        layer_ranges(n_layers, num_virtual_stages(parallelism))
     micro = num_microbatches(parallelism)
     if local_batch_size % micro:
+        default = " (by default one per pipeline stage)" if parallelism.pp_microbatches is None else ""
         raise ConfigError(
             f"training.local_batch_size={local_batch_size} is not divisible by "
-            f"parallelism.pp_microbatches={micro}"
+            f"parallelism.pp_microbatches={micro}{default}: raise the batch or set the microbatches"
         )
     if schedule in _MULTI_STAGE and micro % int(parallelism.pp):
         raise ConfigError(
             f"parallelism.pp_microbatches={micro} must be a multiple of parallelism.pp={parallelism.pp} "
             f"for {schedule}"
         )
-    if n_layers is not None:
-        layer_ranges(n_layers, num_virtual_stages(parallelism))
+
 
 
 def split_model(

@@ -14,13 +14,14 @@ import sys
 import types
 
 
-def _stub(name: str, **attrs) -> None:
+def _stub(name: str, **attrs) -> bool:
     if name in sys.modules:
-        return
+        return False
     module = types.ModuleType(name)
     module.__spec__ = importlib.machinery.ModuleSpec(name, None)
     module.__dict__.update(attrs)
     sys.modules[name] = module
+    return True
 
 
 def _unavailable(*_args, **_kwargs):
@@ -40,9 +41,20 @@ def import_torchtitan(module: str = "torchtitan.models"):
             generate_permute_indices=_unavailable,
             fill_indices_wrapper=_unavailable,
         )
+    stubbed: list[str] = []
     try:
         import datasets  # noqa: F401
     except ImportError:
-        _stub("datasets", Dataset=object, load_dataset=_unavailable)
-        _stub("datasets.distributed", split_dataset_by_node=_unavailable)
-    return importlib.import_module(module)
+        for name, attrs in (
+            ("datasets", {"Dataset": object, "load_dataset": _unavailable}),
+            ("datasets.distributed", {"split_dataset_by_node": _unavailable}),
+        ):
+            if _stub(name, **attrs):
+                stubbed.append(name)
+    try:
+        return importlib.import_module(module)
+    finally:
+        # torchtitan has bound what it needs; the rest of the process (a test that
+        # checks whether `datasets` is installed) must not see the stand-in.
+        for name in stubbed:
+            sys.modules.pop(name, None)

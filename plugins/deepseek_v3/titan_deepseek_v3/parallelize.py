@@ -26,7 +26,7 @@ from torch.distributed.tensor import Replicate
 
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
-from titan_plugins.distributed.expert_parallel import apply_moe_parallel
+from titan_plugins.distributed.expert_parallel import apply_moe_parallel_to_blocks
 from titan_plugins.distributed.fsdp import apply_fsdp
 from titan_plugins.distributed.tensor_parallel import (
     LocalAttention,
@@ -54,20 +54,10 @@ def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Mod
         )
     sp = bool(par.sequence_parallel)
     tp_mesh = parallel_dims.mesh("tp") if parallel_dims.tp_enabled else None
-    ep_mesh = parallel_dims.mesh("ep") if parallel_dims.ep_enabled else None
 
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=sp, loss_parallel=bool(par.loss_parallel))
-    if tp_mesh is not None or ep_mesh is not None:
-        for block in owned_blocks(model.layers):
-            if block.moe_enabled:
-                apply_moe_parallel(
-                    block.moe,
-                    tp_mesh=tp_mesh,
-                    ep_mesh=ep_mesh,
-                    etp_enabled=parallel_dims.etp_enabled,
-                    sequence_parallel=sp,
-                )
+    apply_moe_parallel_to_blocks(model.layers, parallel_dims, sequence_parallel=sp)
     apply_activation_checkpointing(model, job_config)
     apply_compile(model, job_config)
     apply_fsdp(model, parallel_dims, job_config, experts_attr="moe.experts")

@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
-from titan_plugins.distributed.expert_parallel import apply_moe_parallel
+from titan_plugins.distributed.expert_parallel import apply_moe_parallel_to_blocks
 from titan_plugins.distributed.fsdp import apply_fsdp, mixed_precision_policy, reshard_after_forward
 from titan_plugins.distributed.tensor_parallel import (
     LocalAttention,
@@ -41,13 +41,7 @@ def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Mod
     tp_mesh = parallel_dims.mesh("tp") if parallel_dims.tp_enabled else None
     if tp_mesh is not None:
         apply_tp(model, tp_mesh, sequence_parallel=sp, loss_parallel=bool(par.loss_parallel))
-    if model.config.moe_enabled and (tp_mesh is not None or parallel_dims.ep_enabled):
-        ep_mesh = parallel_dims.mesh("ep") if parallel_dims.ep_enabled else None
-        for block in owned_blocks(model.layers):
-            apply_moe_parallel(
-                block.moe, tp_mesh=tp_mesh, ep_mesh=ep_mesh,
-                etp_enabled=parallel_dims.etp_enabled, sequence_parallel=sp,
-            )
+    apply_moe_parallel_to_blocks(model.layers, parallel_dims, sequence_parallel=sp)
     apply_activation_checkpointing(model, job_config, layers_attr="layers")
     apply_compile(model, job_config, layers_attr="layers")
     if model.config.enable_weight_tying:
