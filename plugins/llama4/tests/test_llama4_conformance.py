@@ -1,0 +1,13 @@
+"""The core's conformance kit, run on this plugin as on any third party's.
+
+The kit's own 2-rank loss-parity runs are left out (`parity = ()`): this
+plugin's parity tests cover more parallelisms through the runtime already.
+"""
+
+from titan_plugins.testing import ConformanceSuite
+
+
+class TestLlama4Conformance(ConformanceSuite):
+    model_name = "llama4"
+    overrides = ["model.n_layers=2"]
+    parity = ()
