@@ -115,12 +115,12 @@ def run_compare(args) -> int:
             verdict.params_max_abs, verdict.params_ok, verdict.params_worst = worst, ok, where
         else:
             print("note: final parameters not available on both sides; not compared")
-    print(format_report(baseline, test, verdict, tol_text))
     if args.plot:
         from titan_plugins.compare.plot import plot_curves
 
         plot_curves(baseline, test, args.plot)
         print(f"plot written to {args.plot}")
+    print(format_report(baseline, test, verdict, tol_text))  # the verdict is the last line
     return 0 if verdict.passed else 1
 
 

@@ -5,7 +5,9 @@ Bitwise on CPU/gloo fp32 (measured; see DESIGN.md platform notes):
   - a repeat run of the same configuration and seed;
   - a resumed run against the uninterrupted run;
   - FSDP on 2 ranks against one rank with 2 gradient-accumulation microbatches
-    (same global batch, same order of the per-microbatch sums).
+    (same global batch, same order of the per-microbatch sums): losses and final
+    parameters. Not the gradient norm: FSDP sums squares per shard, then across
+    ranks (measured ~3e-6 relative), so compare it with GRAD_NORM_PARITY there.
 
 Equal up to float reordering (sums done in another order):
   - FSDP reduce-scatter vs one rank (gradient sums split across ranks);
