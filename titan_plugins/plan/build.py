@@ -1,8 +1,8 @@
 """One rank's model parts exactly as a real launch builds them, minus the memory.
 
-The runtime's own steps, in its order: the whole model on the meta device
-(``build_meta_model``), this pp rank's pipeline stages (``pipeline.split_model``),
-the plugin's ``parallelize`` and the ``titan_after_parallelize`` hook per part.
+The runtime's own steps (``lifecycle.parallelized_parts``): the whole model on the
+meta device, this pp rank's pipeline stages, the plugin's ``parallelize`` and the
+``titan_after_parallelize`` hook per part.
 What a real rank does next (``to_empty``, ``init_weights``) is the one thing left
 out: the parameters stay meta DTensors whose local shapes are this rank's shards.
 """
@@ -44,24 +44,10 @@ def coordinates(dims: ParallelDims) -> dict[str, int]:
 def build_rank_parts(spec: ModelSpec, job: Any, dims: ParallelDims, rank: int, pm: Any) -> RankParts:
     """Build this rank's parts; needs the fake world of ``rank`` to be active."""
     from titan_plugins.distributed import pipeline
-    from titan_plugins.train.lifecycle import build_meta_model
+    from titan_plugins.train.lifecycle import parallelized_parts
 
     dims.build_meshes("cpu")
     coords = coordinates(dims)
-    model = build_meta_model(spec, job)
-    if dims.pp_enabled:
-        split = pipeline.split_model(model, spec.pipeline, coords["pp"], job.parallelism)
-        num_stages = pipeline.num_virtual_stages(job.parallelism)
-        del model
-    else:
-        split, num_stages = [(0, model)], 1
-    parallelize = spec.load("parallelize")
-    parts = []
-    for _, part in split:
-        result = parallelize(part, dims, job)
-        part = result if isinstance(result, nn.Module) else part
-        if pm is not None:
-            hooked = pm.hook.titan_after_parallelize(model=part, parallel_dims=dims, job_config=job)
-            part = hooked if isinstance(hooked, nn.Module) else part
-        parts.append(part)
-    return RankParts(rank, coords, [s for s, _ in split], parts, num_stages)
+    split = parallelized_parts(spec, job, dims, pm)
+    num_stages = pipeline.num_virtual_stages(job.parallelism) if dims.pp_enabled else 1
+    return RankParts(rank, coords, [s for s, _ in split], [p for _, p in split], num_stages)

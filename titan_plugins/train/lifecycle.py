@@ -17,7 +17,7 @@ from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
 
-__all__ = ["ModelParts", "build_meta_model", "build_model_parts"]
+__all__ = ["ModelParts", "build_meta_model", "build_model_parts", "parallelized_parts"]
 
 
 @dataclass
@@ -58,17 +58,14 @@ def build_meta_model(spec: ModelSpec, job: Any) -> nn.Module:
     return model
 
 
-def build_model_parts(
-    spec: ModelSpec,
-    job: Any,
-    parallel_dims: Any,
-    device: torch.device,
-    pm: Any,
-    loss_fn: Any = None,
-    *,
-    init: bool = True,
-) -> ModelParts:
-    """Build, split, parallelize, materialize and initialise this rank's model parts."""
+def parallelized_parts(
+    spec: ModelSpec, job: Any, parallel_dims: Any, pm: Any
+) -> list[tuple[int, nn.Module]]:
+    """Build on meta, split for this pp rank, then the plugin's ``parallelize`` and the
+    ``titan_after_parallelize`` hook per part: ``[(stage index, part)]``, still on meta.
+
+    Shared by real runs (which then materialize) and plan mode (which does not).
+    """
     model = build_meta_model(spec, job)
     if parallel_dims.pp_enabled:
         from titan_plugins.distributed import pipeline
@@ -82,13 +79,30 @@ def build_model_parts(
         split = [(0, model)]
 
     parallelize = spec.load("parallelize")
-    parts: list[nn.Module] = []
-    for _, part in split:
+    out = []
+    for stage, part in split:
         result = parallelize(part, parallel_dims, job)
         part = result if isinstance(result, nn.Module) else part
-        hooked = pm.hook.titan_after_parallelize(model=part, parallel_dims=parallel_dims, job_config=job)
-        part = hooked if isinstance(hooked, nn.Module) else part
-        parts.append(part)
+        if pm is not None:
+            hooked = pm.hook.titan_after_parallelize(model=part, parallel_dims=parallel_dims, job_config=job)
+            part = hooked if isinstance(hooked, nn.Module) else part
+        out.append((stage, part))
+    return out
+
+
+def build_model_parts(
+    spec: ModelSpec,
+    job: Any,
+    parallel_dims: Any,
+    device: torch.device,
+    pm: Any,
+    loss_fn: Any = None,
+    *,
+    init: bool = True,
+) -> ModelParts:
+    """Build, split, parallelize, materialize and initialise this rank's model parts."""
+    split = parallelized_parts(spec, job, parallel_dims, pm)
+    parts = [part for _, part in split]
 
     weight_dtype = to_torch_dtype(job.precision.weight_dtype)
     seed = int(job.training.seed)
