@@ -15,7 +15,8 @@ each process trains as its own rank instead of spawning ranks:
 
 With hydra-submitit-launcher: ``titan-run -m hydra/launcher=submitit_slurm
 hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=8 ...`` runs each job's
-tasks as ranks the same way (``SLURM_*`` -> ``RANK``/``WORLD_SIZE``).
+Slurm tasks as its ranks (``SLURM_*`` -> ``RANK``/``WORLD_SIZE``); with one task
+per job, that task spawns the local ranks itself. (Not exercised here: no Slurm.)
 """
 
 from __future__ import annotations
@@ -186,7 +187,15 @@ def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
         error = None
         try:
             spec, job, dims = finish_job(cfg, pm, run_dir=run_dir)
-            code = _launch_job(spec, job, dims, pm, run_dir)
+            _slurm_to_torchrun_env()  # a submitit job: this Slurm task is one rank
+            if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not job.plan.enabled:
+                from titan_plugins.train.api import write_config
+                from titan_plugins.train.worker import run_rank
+
+                run_rank(write_config(job, run_dir))
+                code = 0
+            else:
+                code = _launch_job(spec, job, dims, pm, run_dir)
         except TitanError as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             code, error = exc.exit_code, str(exc)
