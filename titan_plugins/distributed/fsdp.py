@@ -72,6 +72,12 @@ def _num_experts(experts: nn.Module) -> int:
     return int(first.shape[0]) if first is not None else 0  # DTensor.shape is global
 
 
+def _tied(embeddings: nn.Module | None, output: nn.Module | None) -> bool:
+    if embeddings is None or output is None:
+        return False
+    return getattr(embeddings, "weight", None) is getattr(output, "weight", False)
+
+
 def apply_fsdp(
     model: nn.Module,
     parallel_dims: Any,
@@ -79,6 +85,8 @@ def apply_fsdp(
     *,
     layers_attr: str = "layers",
     experts_attr: str | None = None,
+    embeddings_attr: str = "tok_embeddings",
+    output_attr: str = "output",
 ) -> None:
     """Shard ``model`` with FSDP2, one unit per block.
 
@@ -88,8 +96,10 @@ def apply_fsdp(
     - under EP, each block's ``<experts_attr>`` (e.g. ``"moe.experts"``, already a
       DTensor on the ``ep`` mesh) is its own unit on the ``expert_fsdp`` mesh, sharded
       on dim 1 when ``expert_fsdp * ep > num_experts`` (dim 0 would leave ranks empty);
-    - ``tok_embeddings``, ``(norm, output)`` together, then the root; ``None`` modules
-      (pipeline stages that do not own them) are skipped;
+    - ``<embeddings_attr>``, ``(norm, <output_attr>)`` together, then the root; ``None``
+      modules (pipeline stages that do not own them) are skipped; tied embeddings (the
+      output weight *is* the embedding weight) stay in the root unit with the final
+      norm, since separate units would shard two copies and silently untie them;
     - ``MixedPrecisionPolicy`` from ``job_config.precision``; reshard policy from
       ``parallelism.fsdp_reshard_after_forward`` (no resharding under PP by default);
     - explicit forward / backward prefetch of the neighbouring block;
@@ -109,8 +119,10 @@ def apply_fsdp(
     config: dict[str, Any] = {"mesh": mesh, "mp_policy": mp_policy}
     ep_on = experts_attr is not None and parallel_dims.ep_enabled
 
-    tok_embeddings = getattr(model, "tok_embeddings", None)
-    if tok_embeddings is not None:
+    tok_embeddings = getattr(model, embeddings_attr, None)
+    norm, output = getattr(model, "norm", None), getattr(model, output_attr, None)
+    tied = _tied(tok_embeddings, output)
+    if tok_embeddings is not None and not tied:
         fully_shard(tok_embeddings, **config, reshard_after_forward=reshard)
 
     blocks: list[nn.Module] = list(getattr(model, layers_attr).values())
@@ -132,8 +144,7 @@ def apply_fsdp(
             experts_of[id(block)] = experts
         fully_shard(block, **config, reshard_after_forward=reshard)
 
-    norm, output = getattr(model, "norm", None), getattr(model, "output", None)
-    tail = [m for m in (norm, output) if m is not None]
+    tail = [m for m in (norm, output) if m is not None and not tied]
     if tail:
         # The last modules are prefetched right after forward anyway: keep them gathered
         # unless the user asked to always reshard.
@@ -146,7 +157,7 @@ def apply_fsdp(
             module.set_gradient_divide_factor(1.0)
             module.set_force_sum_reduction_for_comms(True)
 
-    _set_prefetch(blocks, experts_of, tok_embeddings, tail)
+    _set_prefetch(blocks, experts_of, None if tied else tok_embeddings, tail)
 
 
 def _set_prefetch(blocks, experts_of, tok_embeddings, tail) -> None:

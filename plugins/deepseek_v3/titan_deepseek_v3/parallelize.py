@@ -60,7 +60,7 @@ def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Mod
     apply_moe_parallel_to_blocks(model.layers, parallel_dims, sequence_parallel=sp)
     apply_activation_checkpointing(model, job_config)
     apply_compile(model, job_config)
-    apply_fsdp(model, parallel_dims, job_config, experts_attr="moe.experts")
+    apply_fsdp(model, parallel_dims, job_config, experts_attr="moe.experts", output_attr="lm_head")
     return model
 
 

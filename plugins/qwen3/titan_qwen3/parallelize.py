@@ -19,7 +19,7 @@ from torch.distributed.tensor.parallel import SequenceParallel
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
 from titan_plugins.distributed.expert_parallel import apply_moe_parallel_to_blocks
-from titan_plugins.distributed.fsdp import apply_fsdp, mixed_precision_policy, reshard_after_forward
+from titan_plugins.distributed.fsdp import apply_fsdp
 from titan_plugins.distributed.tensor_parallel import (
     LocalAttention,
     apply_tp_plan,
@@ -44,11 +44,9 @@ def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Mod
     apply_moe_parallel_to_blocks(model.layers, parallel_dims, sequence_parallel=sp)
     apply_activation_checkpointing(model, job_config, layers_attr="layers")
     apply_compile(model, job_config, layers_attr="layers")
-    if model.config.enable_weight_tying:
-        _fsdp_tied(model, parallel_dims, job_config)
-    else:
-        apply_fsdp(model, parallel_dims, job_config, layers_attr="layers",
-                   experts_attr="moe.experts" if model.config.moe_enabled else None)
+    # Tied embeddings stay one FSDP parameter: apply_fsdp keeps them in the root unit.
+    apply_fsdp(model, parallel_dims, job_config, layers_attr="layers",
+               experts_attr="moe.experts" if model.config.moe_enabled else None)
     return model
 
 
@@ -82,26 +80,3 @@ def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_paralle
             }
         apply_tp_plan(block, tp_mesh, plan)
     apply_tp_plan(model, tp_mesh, stage_boundary_plan(model, sequence_parallel=sp))
-
-
-def _fsdp_tied(model: nn.Module, parallel_dims: Any, job_config: Any) -> None:
-    """FSDP for tied embeddings: one unit per block, and the embedding, final norm and
-    output in the root unit together, so the shared weight is one FSDP parameter
-    (separate units would shard two copies and untie them). Tied flavors never
-    pipeline (``validate``), so the root always owns both ends."""
-    from torch.distributed.fsdp import FSDPModule, fully_shard
-
-    if parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
-        return
-    kw = {"mesh": parallel_dims.mesh("fsdp"), "mp_policy": mixed_precision_policy(job_config)}
-    reshard = reshard_after_forward(job_config, parallel_dims.pp_enabled)
-    for block in owned_blocks(model.layers):
-        fully_shard(block, **kw, reshard_after_forward=reshard)
-    fully_shard(model, **kw)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):  # sum-only reductions (see apply_fsdp)
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-
-
-__all__ = ["apply_tp", "parallelize"]
