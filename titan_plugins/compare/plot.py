@@ -6,7 +6,14 @@ from titan_plugins.compare.curves import Curve
 
 
 def plot_curves(baseline: Curve, test: Curve, path: str) -> None:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        from titan_plugins.errors import ConfigError
+
+        raise ConfigError(
+            f"--plot {path}: needs matplotlib (pip install 'titan-plugins[plot]')"
+        ) from None
 
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
