@@ -75,6 +75,11 @@ def run_compare(args) -> int:
         raise ConfigError("--baseline is required unless --import FILE gives a recorded baseline")
     if args.steps < 1:
         raise ConfigError(f"--steps={args.steps} must be at least 1")
+    if args.plot:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:  # say so before running anything
+            raise ConfigError(f"--plot {args.plot}: needs matplotlib (pip install 'titan-plugins[plot]')")
     loss_tol, grad_tol, tol_text = _tolerances(args)
     common = [f"training.steps={args.steps}", *runner.DETERMINISTIC]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="titan-compare-"))
