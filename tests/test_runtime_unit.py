@@ -113,3 +113,31 @@ def test_sweep_table_drops_common_overrides():
     table = format_table(rows)
     assert "parallelism=fsdp2" in table and "model=tiny" not in table
     assert "7.5000" in table and "failed: boom" in table
+
+
+def test_launcher_names_the_rank_that_failed_first_not_the_peers_it_woke(tmp_path, monkeypatch):
+    # Rank 1 raises; tearing its process group down makes rank 0 fail with a gloo
+    # read error that gets *recorded* first. The stamp taken when rank 1's error
+    # was caught (before teardown) must win over the order of recording.
+    import time
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from titan_plugins.distributed.launcher import _first_failure
+    from titan_plugins.train import worker
+
+    original = RuntimeError("tiny: injected failure on rank 1")
+    worker._stamp(original)
+    time.sleep(0.01)
+    files = {}
+    for rank, exc in ((0, RuntimeError("[gloo/transport/tcp/pair.cc] Read error")), (1, original)):
+        files[rank] = tmp_path / f"error-{rank}.json"
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[rank]))
+        monkeypatch.setenv("RANK", str(rank))
+        worker._record(exc, user=False)
+        time.sleep(0.01)
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(path))
+                for rank, path in files.items()}
+    rank, text, user, code = _first_failure(ChildFailedError("entry", failures))
+    assert (rank, user, code) == (1, False, 1)
+    assert text.startswith("rank 1 crashed: RuntimeError: tiny: injected failure on rank 1")

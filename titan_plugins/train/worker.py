@@ -86,9 +86,26 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     register_sinks(pm)
     try:
         return Trainer(spec, job, pm, run_dir).train()
+    except BaseException as exc:
+        # Stamp the failure now: tearing the process group down below makes the
+        # peers fail too (gloo "Read error", NCCL "remote process exited"), and
+        # the launcher must name this rank as the first to fail, not them.
+        _stamp(exc)
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+_STAMP = "_titan_failed_ns"
+
+
+def _stamp(exc: BaseException) -> None:
+    if getattr(exc, _STAMP, None) is None:
+        try:
+            setattr(exc, _STAMP, time.time_ns())
+        except AttributeError:  # exceptions with __slots__ keep the time of recording
+            pass
 
 
 def _record(exc: BaseException, user: bool) -> None:
@@ -108,7 +125,7 @@ def _record(exc: BaseException, user: bool) -> None:
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
-                "titan_time_ns": time.time_ns(),
+                "titan_time_ns": getattr(exc, _STAMP, None) or time.time_ns(),
                 "titan_user_error": user,
             },
         }
