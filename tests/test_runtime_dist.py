@@ -6,6 +6,7 @@ the same (resume), and ~1e-5 where only float reordering differs (parallelism).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,61 @@ def test_multirun_reports_failed_job_and_goes_on(tmp_path):
     table = proc.stdout.split("failed\n", 1)[1]
     assert "failed: tiny: injected user error on rank 0" in table and " ok" in table
     assert proc.stderr.count("error: tiny: injected user error on rank 0") == 1
+
+
+def _external_rank_env(tmp_path, name):
+    from titan_plugins.train.api import rank_env
+
+    env = {**os.environ, **rank_env(EXTRA), "TITAN_RUN_DIR": str(tmp_path / name), "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+TRAIN_2 = [*BASE, "parallelism=fsdp2", "training.steps=2", "training.local_batch_size=1"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_ref(tmp_path_factory):
+    """TRAIN_2 launched by titan-run's own elastic launcher."""
+    return _run(tmp_path_factory.mktemp("fsdp2_ref"), "ref", *TRAIN_2[len(BASE):])
+
+
+def test_under_torchrun_each_process_trains_as_its_rank(tmp_path, fsdp2_ref):
+    # torchrun starts the ranks; titan-run must not launch ranks of its own.
+    ref = fsdp2_ref
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "titan_plugins.cli.run", *TRAIN_2]
+    proc = subprocess.run(cmd, env=_external_rank_env(tmp_path, "torchrun"), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from titan_plugins.train.api import read_result
+
+    got = read_result(tmp_path / "torchrun")
+    assert got.steps == [1, 2]
+    assert got.losses == ref.losses  # same ranks, same seed, same arithmetic: bit for bit
+    assert (tmp_path / "torchrun" / "config.yaml").is_file()
+
+
+def test_slurm_tasks_become_ranks(tmp_path, fsdp2_ref):
+    # What srun (and hydra-submitit-launcher's tasks) hand each process: SLURM_* only.
+    from titan_plugins.distributed.launcher import free_port
+    from titan_plugins.train.api import read_result
+
+    ref = fsdp2_ref
+    port = str(free_port())
+    procs = []
+    for task in range(2):
+        env = _external_rank_env(tmp_path, "slurm")
+        env.update(SLURM_NTASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_JOB_ID="4242",
+                   SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=port)
+        procs.append(subprocess.Popen([sys.executable, "-m", "titan_plugins.cli.run", *TRAIN_2], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    got = read_result(tmp_path / "slurm")
+    assert got.steps == [1, 2] and got.losses == ref.losses
