@@ -171,3 +171,17 @@ def test_slurm_tasks_become_ranks(tmp_path, fsdp2_ref):
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     got = read_result(tmp_path / "slurm")
     assert got.steps == [1, 2] and got.losses == ref.losses
+
+
+def test_compiled_blocks_train_like_eager_under_fsdp_and_tp(tmp_path):
+    # Per-block torch.compile (inductor's C++ backend on CPU) composed with TP and FSDP2.
+    from titan_plugins.compare.tolerances import LOSS_PARITY
+
+    common = ["parallelism=fsdp2_tp2", "training.steps=2", "training.local_batch_size=1"]
+    eager = _run(tmp_path, "eager", *common)
+    cache = tmp_path / "inductor-cache"
+    compiled = run([*BASE, *common, "training.compile=true"], run_dir=tmp_path / "compiled", extra_plugins=EXTRA,
+                   timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    assert compiled.returncode == 0, f"{compiled.error}\n{compiled.stderr[-3000:]}"
+    assert any(cache.rglob("*.py")), "inductor wrote no kernels: the blocks were not compiled"
+    assert compiled.losses == pytest.approx(eager.losses, rel=LOSS_PARITY.rtol, abs=LOSS_PARITY.atol)
