@@ -19,6 +19,7 @@ from titan_plugins.components.moe import (
 )
 from titan_plugins.components.moe.experts import run_experts_grouped_mm, run_experts_loop
 from titan_plugins.components.moe.token_dispatch import aligned_expert_permutation
+from titan_plugins.errors import ConfigError
 
 DIM, HIDDEN = 16, 12
 
@@ -55,8 +56,16 @@ def test_config_import_is_torch_free():
     ],
 )
 def test_config_validation(overrides, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ConfigError, match=match):
         MoEConfig(**overrides).validate()
+
+
+def test_config_validation_names_the_full_key_everywhere_in_the_message():
+    with pytest.raises(ConfigError) as info:
+        MoEConfig(num_experts=8, num_expert_groups=3).validate(key="model.layer.moe")
+    assert str(info.value) == (
+        "model.layer.moe.num_experts=8 is not divisible by model.layer.moe.num_expert_groups=3"
+    )
 
 
 def test_names_buffers_and_state_dict():

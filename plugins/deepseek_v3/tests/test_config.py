@@ -8,6 +8,8 @@ import sys
 import pytest
 from titan_deepseek_v3.config import FLAVORS, DeepSeekV3Config, ScoreFunc, make_config
 
+from titan_plugins.errors import ConfigError
+
 
 def test_debugmodel_flavor_numbers():
     c = FLAVORS["debugmodel"]
@@ -33,7 +35,7 @@ def test_make_config_shortcuts_and_errors():
         make_config(n_head=8)
     with pytest.raises(TypeError, match="n_layers"):
         make_config(n_layers="many")
-    with pytest.raises(ValueError, match="n_dense_layers=3"):
+    with pytest.raises(ConfigError, match="n_dense_layers=3"):
         make_config(n_layers=2, n_dense_layers=3)
 
 

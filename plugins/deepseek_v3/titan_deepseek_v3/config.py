@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
+from titan_plugins.errors import ConfigError
 
 __all__ = [
     "AttentionConfig",
@@ -125,29 +126,26 @@ class DeepSeekV3Config:
         return layer_id >= self.n_dense_layers
 
     def validate(self) -> None:
-        """Raise ValueError naming the numbers that disagree."""
+        """Raise ConfigError naming the numbers that disagree."""
         for key in ("vocab_size", "dim", "n_layers", "max_seq_len"):
             if getattr(self, key) < 1:
-                raise ValueError(f"model.{key}={getattr(self, key)} must be >= 1")
+                raise ConfigError(f"model.{key}={getattr(self, key)} must be >= 1")
         if not 0 <= self.n_dense_layers <= self.n_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"model.n_dense_layers={self.n_dense_layers} must be in [0, model.n_layers={self.n_layers}]"
             )
         att = self.layer.attention
         for key in ("n_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             if getattr(att, key) < 1:
-                raise ValueError(f"model.layer.attention.{key}={getattr(att, key)} must be >= 1")
+                raise ConfigError(f"model.layer.attention.{key}={getattr(att, key)} must be >= 1")
         if att.q_lora_rank < 0:
-            raise ValueError(f"model.layer.attention.q_lora_rank={att.q_lora_rank} must be >= 0")
+            raise ConfigError(f"model.layer.attention.q_lora_rank={att.q_lora_rank} must be >= 0")
         if att.qk_rope_head_dim % 2:
-            raise ValueError(
+            raise ConfigError(
                 f"model.layer.attention.qk_rope_head_dim={att.qk_rope_head_dim} must be even"
             )
         if self.n_dense_layers < self.n_layers:
-            try:
-                self.layer.moe.validate(self.dim)
-            except ValueError as exc:
-                raise ValueError(str(exc).replace("moe.", "model.layer.moe.", 1)) from None
+            self.layer.moe.validate(key="model.layer.moe")
 
 
 def _debugmodel() -> DeepSeekV3Config:

@@ -19,10 +19,7 @@ def _divides(value: int, value_key: str, degree: int, degree_key: str) -> None:
 
 def validate(config: DeepSeekV3Config, parallelism: Any) -> None:
     """Raise ``ConfigError`` with one line naming the two numbers that disagree."""
-    try:
-        config.validate()
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    config.validate()
     tp = int(getattr(parallelism, "tp", 1) or 1)
     ep = int(getattr(parallelism, "ep", 1) or 1)
     etp = int(getattr(parallelism, "etp", 1) or 1)

@@ -141,10 +141,7 @@ class Llama4Config:
             raise ConfigError(
                 f"model.interleave_moe_layer_step={self.interleave_moe_layer_step} must be >= 1"
             )
-        try:
-            self.moe.validate(self.dim)
-        except ValueError as exc:
-            raise ConfigError(f"model.{exc}") from None
+        self.moe.validate(key="model.moe")
 
 
 def _moe(num_experts: int) -> MoEConfig:

@@ -83,10 +83,7 @@ class Qwen3Config:
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
         if self.moe_enabled:
-            try:
-                self.moe.validate(self.dim)
-            except ValueError as exc:
-                raise ConfigError(f"model.{exc}") from None
+            self.moe.validate(key="model.moe")
 
 
 def _moe(num_experts: int) -> MoEConfig:
