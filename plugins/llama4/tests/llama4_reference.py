@@ -96,9 +96,10 @@ def build_reference(args, seq_len: int, seed: int, kernel: str = "sdpa_mask") ->
     return model
 
 
-def reference_forward(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def reference_forward(model: nn.Module, tokens: torch.Tensor, eos_id: int = -1) -> torch.Tensor:
+    """TorchTitan's forward; with its ``block_causal`` flavors the documents end at
+    ``eos_id`` (the tokenizer's, which its trainer passes; -1: one document per row)."""
     if model.model_args.attn_type != "flex":
         return model(tokens)
-    eos = SimpleNamespace(eos_id=-1)  # never in the batch: one document per row
-    masks = model.get_attention_masks(tokens, eos)
+    masks = model.get_attention_masks(tokens, SimpleNamespace(eos_id=eos_id))
     return model(tokens, attention_masks=masks)

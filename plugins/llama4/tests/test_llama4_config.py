@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from titan_llama4.config import FLAVORS, Llama4Config, flops, num_params, validate
+from titan_llama4.config import FLAVORS, AttentionMask, Llama4Config, flops, num_params, validate
 
 from titan_plugins.config.schema import ParallelismConfig
 from titan_plugins.errors import ConfigError
@@ -80,6 +80,7 @@ def test_flavors_match_torchtitan(flavor):
         assert getattr(ours, key) == getattr(ref, key), key
     if ours.every_n_layers_nope is not None:
         assert ours.fixed_attn_block_size == ref.fixed_attn_block_size
+    assert ours.attn_mask.value == ref.attn_mask_type  # irope flavors: block_causal
     if ref.rope_scaling_args is None:
         assert not ours.rope_scaling.enabled
     else:
@@ -196,6 +197,8 @@ def test_registered_through_entry_point_and_hydra():
         ),
         ({"n_layers": 2}, dict(pp=4), "model.n_layers=2 is fewer than the 4 pipeline stages"),
         ({"n_layers": 1}, dict(ep=2, dp_shard=2), "no MoE layer"),
+        ({"attn_mask": AttentionMask.block_causal}, dict(pp=2), "block_causal needs the token ids on every stage"),
+        ({"attn_mask": AttentionMask.block_causal, "eos_id": 2048}, dict(), "model.eos_id=2048 is outside"),
         ({"dim": 250}, dict(), "model.dim=250 is not divisible by model.n_heads=16"),
         (
             {"multiple_of": 100},

@@ -57,11 +57,21 @@ def _step(model, tokens, labels, forward):
     return logits.detach(), loss.detach(), grads
 
 
+def _tokens(config, seed):
+    """Random ids with documents ending at ``eos_id`` in different places per row."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.eos_id, (BATCH, SEQ), generator=g)
+    tokens[0, [9, 40]] = config.eos_id
+    tokens[1, 23] = config.eos_id
+    return tokens
+
+
 def _compare(ref, ours, seed=1):
     g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, ours.config.vocab_size, (BATCH, SEQ), generator=g)
+    tokens = _tokens(ours.config, seed)
     labels = torch.randint(0, ours.config.vocab_size, (BATCH, SEQ), generator=g)
-    l_ref, loss_ref, g_ref = _step(ref, tokens, labels, reference_forward)
+    eos = ours.config.eos_id
+    l_ref, loss_ref, g_ref = _step(ref, tokens, labels, lambda m, t: reference_forward(m, t, eos))
     l_ours, loss_ours, g_ours = _step(ours, tokens, labels, lambda m, t: m(t))
     assert g_ref.keys() == g_ours.keys()
     torch.testing.assert_close(l_ours, l_ref, rtol=1e-5, atol=1e-5)
@@ -95,8 +105,9 @@ def test_debugmodel_equivalence():
 
 @pytest.mark.parametrize("block", [256, 16], ids=["flavor_block256", "block16"])
 def test_irope_equivalence(block):
-    """All 6 layers of debugmodel_irope: layers 0 and 4 NoPE + full causal, the
-    others RoPE + chunked causal (a block of 16 makes the chunks bite at seq 64)."""
+    """All 6 layers of debugmodel_irope: layers 0 and 4 NoPE + causal, the others
+    RoPE + chunked causal (a block of 16 makes the chunks bite at seq 64), all
+    within documents (block_causal; the batch holds EOS tokens)."""
     ref, ours = _pair("debugmodel_irope", fixed_attn_block_size=block)
     chunks = [b.attention.inner_attention.chunk_size for b in ours.layers.values()]
     assert chunks == [None, block, block, block, None, block]
@@ -116,14 +127,30 @@ def test_irope_chunking_matters():
         assert (a(tokens) - b(tokens)).abs().max() > 1e-3
 
 
+def test_irope_document_masking_matters():
+    """Guard against a vacuous block_causal test: the EOS tokens change the logits
+    after them, and only after them, against plain causal attention."""
+    from titan_llama4.config import AttentionMask
+
+    masked = _ours("debugmodel_irope", fixed_attn_block_size=16)
+    causal = _ours("debugmodel_irope", fixed_attn_block_size=16, attn_mask=AttentionMask.causal)
+    causal.load_state_dict(masked.state_dict())
+    tokens = _tokens(masked.config, seed=0)
+    with torch.no_grad():
+        diff = (masked(tokens) - causal(tokens)).abs().amax(dim=-1)
+    # row 1: EOS at 23. Before it only kernel rounding differs (is_causal vs a mask).
+    assert diff[1, :24].max() < 1e-5, diff[1, :24].max()
+    assert diff[1, 24:].min() > 1e-3, diff[1, 24:].min()
+
+
 def test_irope_flex_forward_matches_torchtitan_flex():
     """Forward only (flex attention has no CPU backward): our flex path on
-    TorchTitan's own BlockMask machinery vs theirs."""
+    TorchTitan's own BlockMask machinery vs theirs, documents included."""
     ref, ours = _pair("debugmodel_irope", kernel="flex", fixed_attn_block_size=16)
     for block in ours.layers.values():
         block.attention.inner_attention.backend = "flex"
-    tokens = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    tokens = _tokens(ours.config, seed=2)
     with torch.no_grad():
         torch.testing.assert_close(
-            ours(tokens), reference_forward(ref, tokens), rtol=1e-5, atol=1e-5
+            ours(tokens), reference_forward(ref, tokens, ours.config.eos_id), rtol=1e-5, atol=1e-5
         )

@@ -53,6 +53,7 @@ def _batch(cfg):
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
     labels = torch.randint(0, cfg.vocab_size, (BATCH, SEQ), generator=g)
+    tokens[0, 10] = tokens[2, 20] = cfg.eos_id  # documents end (block_causal cases)
     return tokens, labels
 
 
@@ -194,9 +195,13 @@ def _worker(rank, port, out_dir):
     report = []
     try:
         cfg = _config()
-        irope = dataclasses.replace(cfg, every_n_layers_nope=4, fixed_attn_block_size=8)
+        from titan_llama4.config import AttentionMask
+
+        irope = dataclasses.replace(
+            cfg, every_n_layers_nope=4, fixed_attn_block_size=8, attn_mask=AttentionMask.block_causal
+        )
         runs = [(name, par, cfg) for name, par in CASES.items()]
-        runs.append(("fsdp2_tp2 irope (chunk 8)", CASES["fsdp2_tp2"], irope))
+        runs.append(("fsdp2_tp2 irope (chunk 8, documents)", CASES["fsdp2_tp2"], irope))
         tokens, labels = _batch(cfg)
         for name, par, case_cfg in runs:
             reference = _reference(case_cfg)

@@ -11,12 +11,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.errors import ConfigError
 
 __all__ = [
     "FLAVORS",
     "AttentionBackend",
+    "AttentionMask",
     "Llama4Config",
     "RoPEScaling",
     "flops",
@@ -74,6 +76,11 @@ class Llama4Config:
     every_n_layers_nope: int | None = None
     fixed_attn_block_size: int = 8192
     attn_backend: AttentionBackend = AttentionBackend.auto
+    # block_causal (TorchTitan's irope flavors): no attention across documents, each
+    # ending at eos_id. 2047 is the shipped tokenizer's <|eos|> (the debug flavors'
+    # vocabulary); set it to your tokenizer's end-of-document id.
+    attn_mask: AttentionMask = AttentionMask.causal
+    eos_id: int = 2047
 
     # MoE: layer i is an MoE block when (i + 1) % interleave_moe_layer_step == 0.
     moe: MoEConfig = field(default_factory=MoEConfig)
@@ -141,6 +148,10 @@ class Llama4Config:
             raise ConfigError(
                 f"model.interleave_moe_layer_step={self.interleave_moe_layer_step} must be >= 1"
             )
+        if self.attn_mask is AttentionMask.block_causal and not 0 <= self.eos_id < self.vocab_size:
+            raise ConfigError(
+                f"model.eos_id={self.eos_id} is outside the vocabulary [0, model.vocab_size={self.vocab_size})"
+            )
         self.moe.validate(key="model.moe")
 
 
@@ -188,17 +199,24 @@ def _published(num_experts: int, interleave: int, scaling: bool, **kw: Any) -> L
         max_seq_len=8192,
         moe=_moe(num_experts),
         interleave_moe_layer_step=interleave,
+        eos_id=200001,  # Llama 4's <|end_of_text|>
         **kw,
     )
 
 
 FLAVORS: dict[str, Llama4Config] = {
     "debugmodel": _debugmodel(),
-    "debugmodel_irope": _debugmodel(every_n_layers_nope=4, fixed_attn_block_size=256),
+    "debugmodel_irope": _debugmodel(
+        every_n_layers_nope=4, fixed_attn_block_size=256, attn_mask=AttentionMask.block_causal
+    ),
     "17bx16e": _published(16, interleave=1, scaling=True),
     "17bx128e": _published(128, interleave=2, scaling=False),
-    "17bx16e_irope": _published(16, interleave=1, scaling=True, every_n_layers_nope=4),
-    "17bx128e_irope": _published(128, interleave=2, scaling=False, every_n_layers_nope=4),
+    "17bx16e_irope": _published(
+        16, interleave=1, scaling=True, every_n_layers_nope=4, attn_mask=AttentionMask.block_causal
+    ),
+    "17bx128e_irope": _published(
+        128, interleave=2, scaling=False, every_n_layers_nope=4, attn_mask=AttentionMask.block_causal
+    ),
 }
 
 
@@ -286,4 +304,9 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
         raise ConfigError(
             f"model.n_layers={c.n_layers} is fewer than the {stages} pipeline stages "
             f"(parallelism.pp={pp} x pp_stages_per_rank)"
+        )
+    if pp > 1 and c.attn_mask is AttentionMask.block_causal:
+        raise ConfigError(
+            f"model.attn_mask=block_causal needs the token ids on every stage; it cannot run "
+            f"with parallelism.pp={pp} (set model.attn_mask=causal)"
         )

@@ -2,7 +2,8 @@
 
 GQA attention with Llama-scaled rotary embeddings, optional iRoPE (every n-th layer
 without rotary embedding and with full causal attention, chunked local attention
-elsewhere), and dense SwiGLU blocks interleaved with MoE blocks (shared component).
+elsewhere), optional document masking (``block_causal``: no attention across an
+``eos_id``, as in TorchTitan's irope flavors), and dense SwiGLU blocks interleaved with MoE blocks (shared component).
 Parameter names, shapes and the init scheme are TorchTitan's, so its checkpoints
 load as they are. Tensor parallelism is installed from outside (``parallelize.py``);
 under it the hidden states are DTensors and only ``inner_attention`` (rotary
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_llama4.config import Llama4Config, RoPEScaling
+from titan_llama4.config import AttentionMask, Llama4Config, RoPEScaling
+from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
 from titan_plugins.components.compute_dtype import cast, linear
 from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
 from titan_plugins.components.moe import MoE
@@ -57,19 +59,9 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 
 # --------------------------------------------------------------- attention
 @functools.lru_cache(maxsize=16)
-def _chunked_causal_mask(seq_len: int, chunk: int, device: torch.device) -> torch.Tensor:
-    i = torch.arange(seq_len, device=device)
-    return (i[None, :] <= i[:, None]) & (i[None, :] // chunk == i[:, None] // chunk)
-
-
-@functools.lru_cache(maxsize=16)
-def _chunked_block_mask(seq_len: int, chunk: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        return (kv_idx <= q_idx) & (q_idx // chunk == kv_idx // chunk)
-
-    return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=device)
+def _document_free_mask(seq_len: int, chunk: int, device: torch.device, flex: bool):
+    """Chunked-causal mask without documents: the same for every batch, cached."""
+    return (block_mask if flex else dense_mask)(None, seq_len, chunk, device)
 
 
 @functools.cache
@@ -79,13 +71,21 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
+def _eager_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention
+
+
 class InnerAttention(nn.Module):
     """Rotary embedding and the attention kernel, on plain (local) tensors.
 
     ``q``: ``(batch, seq, heads, head_dim)``, ``k``/``v``: ``(batch, seq, kv_heads,
-    head_dim)``; returns ``(batch, seq, heads, head_dim)``. Full causal layers use
-    SDPA; chunked layers use flex attention on CUDA (``auto``/``flex``) or SDPA with
-    an explicit chunked-causal mask (flex attention has no CPU backward).
+    head_dim)``; returns ``(batch, seq, heads, head_dim)``. ``doc``: per-token
+    document ids for ``block_causal`` attention (None: plain causal). Causal layers
+    without documents use SDPA's ``is_causal``; masked layers (chunks, documents) use
+    flex attention on CUDA (``auto``/``flex``) or SDPA with the same mask as a boolean
+    tensor (flex attention has no CPU backward).
     """
 
     def __init__(self, use_rope: bool, chunk_size: int | None, backend: str):
@@ -94,28 +94,26 @@ class InnerAttention(nn.Module):
         self.chunk_size = chunk_size
         self.backend = backend
 
-    def forward(self, q, k, v, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, q, k, v, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         if self.use_rope:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        seq, chunk = q.shape[2], self.chunk_size
-        if chunk is None or chunk >= seq:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif self.backend == "flex" or (self.backend == "auto" and q.is_cuda):
-            block_mask = _chunked_block_mask(seq, chunk, q.device)
-            flex = _compiled_flex() if q.is_cuda else _eager_flex()
-            out = flex(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+        seq = q.shape[2]
+        chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq else None
+        if chunk is None and doc is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        if doc is None:
+            mask = _document_free_mask(seq, chunk, q.device, flex)
         else:
-            mask = _chunked_causal_mask(seq, chunk, q.device)
+            mask = (block_mask if flex else dense_mask)(doc, seq, chunk, q.device)
+        if flex:
+            kernel = _compiled_flex() if q.is_cuda else _eager_flex()
+            out = kernel(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2)
-
-
-def _eager_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
 
 
 class Attention(nn.Module):
@@ -131,14 +129,14 @@ class Attention(nn.Module):
         )
         self.compute_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
         bs, seq, _ = x.shape
         dt = self.compute_dtype
         # -1: the local head count under TP (or the global one on a DTensor).
         q = linear(x, self.wq, dt).view(bs, seq, -1, self.head_dim)
         k = linear(x, self.wk, dt).view(bs, seq, -1, self.head_dim)
         v = linear(x, self.wv, dt).view(bs, seq, -1, self.head_dim)
-        out = self.inner_attention(q, k, v, freqs_cis)
+        out = self.inner_attention(q, k, v, freqs_cis, doc)
         return linear(out.reshape(bs, seq, -1), self.wo, dt)
 
     def init_weights(self, init_std: float) -> None:
@@ -175,8 +173,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if config.depth_init else config.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + _like(self.attention(self.attention_norm(x), freqs_cis), x)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+        h = x + _like(self.attention(self.attention_norm(x), freqs_cis, doc), x)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + _like(ffn(self.ffn_norm(h)), h)
 
@@ -236,6 +234,15 @@ class Llama4(nn.Module):
                 module.compute_dtype = dtype
         self.compute_dtype = dtype
 
+    def document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
+        """Per-token document ids for ``block_causal`` attention, else None. Needs the
+        token ids: ``validate`` refuses ``block_causal`` with pipeline parallelism."""
+        if self.config.attn_mask is not AttentionMask.block_causal:
+            return None
+        if self.tok_embeddings is None:
+            raise ValueError("model.attn_mask=block_causal needs the token ids (first pipeline stage)")
+        return document_ids(tokens, self.config.eos_id)
+
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
         if seq > self.freqs_cis.shape[0]:
@@ -244,9 +251,10 @@ class Llama4(nn.Module):
                 "(the rotary cache length); raise model.max_seq_len"
             )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        doc = self.document_ids(tokens)
         for layer in self.layers.values():
             if layer is not None:
-                h = layer(h, self.freqs_cis)
+                h = layer(h, self.freqs_cis, doc)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

@@ -64,8 +64,9 @@ def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_paralle
     for block in owned_blocks(model.layers):
         plan = {
             "attention_norm": _norm(sp),
-            # attention(x, freqs_cis): x gathered to Replicate, the rotary cache passed plain
-            "attention": gather_input(sp, None),
+            # attention(x, freqs_cis, doc): x gathered to Replicate; the rotary cache and
+            # the document ids (block_causal) passed plain
+            "attention": gather_input(sp, None, None),
             "attention.wq": colwise(),
             "attention.wk": colwise(),
             "attention.wv": colwise(),

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
+from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.errors import ConfigError
 
@@ -32,14 +33,6 @@ class AttentionBackend(str, Enum):
     auto = "auto"
     sdpa = "sdpa"
     flex = "flex"
-
-
-class AttentionMask(str, Enum):
-    """``causal``; ``block_causal``: causal within documents, which end at ``eos_id``
-    (a flex ``BlockMask``, or a boolean mask for SDPA)."""
-
-    causal = "causal"
-    block_causal = "block_causal"
 
 
 @dataclass(kw_only=True)

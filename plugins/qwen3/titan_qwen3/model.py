@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
 from titan_plugins.components.compute_dtype import linear
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.moe import MoE
@@ -61,12 +62,6 @@ def apply_rotary(xq: torch.Tensor, xk: torch.Tensor, cache: torch.Tensor) -> tup
 
 
 # ---------------------------------------------------------------- attention
-def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Per token, the index of its document in the row (an EOS ends its document)."""
-    eos = (tokens == eos_id).to(torch.int32)
-    return torch.cumsum(eos, dim=1) - eos
-
-
 class AttentionKernel(nn.Module):
     """The attention kernel on ``[B, H, S, D]`` (plain local tensors under TP).
 
@@ -245,15 +240,9 @@ class Qwen3Model(nn.Module):
             return None
         if tokens is None:
             raise ValueError("model.attn_mask=block_causal needs the token ids (first pipeline stage)")
-        batch, seqlen = tokens.shape
         doc = document_ids(tokens, c.eos_id)
-        if use_flex(c.attn_backend, tokens.device):
-            def block_causal(b, h, q, kv):
-                return (q >= kv) & (doc[b, q] == doc[b, kv])
-
-            return create_block_mask(block_causal, batch, None, seqlen, seqlen, device=tokens.device)
-        causal = torch.ones(seqlen, seqlen, dtype=torch.bool, device=tokens.device).tril()
-        return (causal & (doc[:, :, None] == doc[:, None, :]))[:, None]
+        build = block_mask if use_flex(c.attn_backend, tokens.device) else dense_mask
+        return build(doc, tokens.shape[1], None, tokens.device)
 
     # -------------------------------------------------------------- forward
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
