@@ -210,7 +210,9 @@ class _KeepGradLayout(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
         ctx.placements = x.placements
-        return x.view_as(x)
+        # A copy, not a view: FSDP2 warns (once per rank) about modules returning
+        # views, and this wraps the output of an FSDP-wrapped embedding.
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
