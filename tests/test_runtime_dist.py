@@ -179,8 +179,6 @@ def test_compiled_blocks_train_like_eager_under_fsdp_and_tp(tmp_path):
 
     common = ["parallelism=fsdp2_tp2", "training.steps=2", "training.local_batch_size=1"]
     eager = _run(tmp_path, "eager", *common)
-    # The TP embedding's output (FSDP-wrapped) is not a view: FSDP2 would warn on every rank.
-    assert "returned a view tensor" not in eager.stderr
     cache = tmp_path / "inductor-cache"
     compiled = run([*BASE, *common, "training.compile=true"], run_dir=tmp_path / "compiled", extra_plugins=EXTRA,
                    timeout=TIMEOUT, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
