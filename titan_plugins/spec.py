@@ -40,11 +40,20 @@ class PipelineInfo:
     ``first_stage_modules`` live only on the first stage and ``last_stage_modules``
     only on the last; on other stages those attributes are set to ``None`` and the
     model's forward, ``init_weights``, TP plan and FSDP wrap must tolerate that.
+
+    ``stage_inputs`` names a model method ``(tokens) -> dict[str, Tensor]`` for what
+    every stage's forward needs besides the previous stage's output, such as the
+    document ids of a block-causal attention mask (later stages see hidden states,
+    not token ids). Under PP the trainer calls it on the step's token ids and passes
+    the result to every stage's ``forward`` as keyword arguments; tensors must be
+    batch-first (the schedule splits them into microbatches with the tokens).
+    Without PP the model's own ``forward(tokens)`` derives them itself.
     """
 
     layers_attr: str = "layers"
     first_stage_modules: tuple[str, ...] = ("tok_embeddings",)
     last_stage_modules: tuple[str, ...] = ("norm", "output")
+    stage_inputs: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

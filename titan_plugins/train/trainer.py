@@ -123,6 +123,11 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
+    def _stage_inputs(self, tokens: torch.Tensor) -> dict[str, Any]:
+        """Keyword inputs every pipeline stage gets (``PipelineInfo.stage_inputs``)."""
+        name = self.spec.pipeline.stage_inputs if self.spec.pipeline is not None else None
+        return getattr(self.model.parts[0], name)(tokens) if name else {}
+
     # ------------------------------------------------------------------ step
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
         """One optimizer step; returns (global loss, grad norm, global tokens)."""
@@ -143,11 +148,12 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.model.pp:
                 losses: list[torch.Tensor] = []
+                extra = self._stage_inputs(inputs)
                 with self._loss_context():
                     if self.model.has_first:
-                        self.model.schedule.step(inputs, target=labels, losses=losses)
+                        self.model.schedule.step(inputs, target=labels, losses=losses, **extra)
                     else:
-                        self.model.schedule.step(target=labels, losses=losses)
+                        self.model.schedule.step(target=labels, losses=losses, **extra)
                 for mb_loss in losses:
                     loss_sum += local(mb_loss).float()
             else:

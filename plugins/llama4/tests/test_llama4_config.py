@@ -197,7 +197,6 @@ def test_registered_through_entry_point_and_hydra():
         ),
         ({"n_layers": 2}, dict(pp=4), "model.n_layers=2 is fewer than the 4 pipeline stages"),
         ({"n_layers": 1}, dict(ep=2, dp_shard=2), "no MoE layer"),
-        ({"attn_mask": AttentionMask.block_causal}, dict(pp=2), "block_causal needs the token ids on every stage"),
         ({"attn_mask": AttentionMask.block_causal, "eos_id": 2048}, dict(), "model.eos_id=2048 is outside"),
         ({"dim": 250}, dict(), "model.dim=250 is not divisible by model.n_heads=16"),
         (

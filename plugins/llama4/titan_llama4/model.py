@@ -234,27 +234,36 @@ class Llama4(nn.Module):
                 module.compute_dtype = dtype
         self.compute_dtype = dtype
 
-    def document_ids(self, tokens: torch.Tensor) -> torch.Tensor | None:
-        """Per-token document ids for ``block_causal`` attention, else None. Needs the
-        token ids: ``validate`` refuses ``block_causal`` with pipeline parallelism."""
-        if self.config.attn_mask is not AttentionMask.block_causal:
-            return None
-        if self.tok_embeddings is None:
-            raise ValueError("model.attn_mask=block_causal needs the token ids (first pipeline stage)")
-        return document_ids(tokens, self.config.eos_id)
+    def stage_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What every pipeline stage needs from the token ids (``PipelineInfo.stage_inputs``):
+        the document ids of a ``block_causal`` mask; nothing for causal attention."""
+        if self.config.attn_mask is AttentionMask.causal:
+            return {}
+        return {"doc_ids": document_ids(tokens, self.config.eos_id)}
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states; ``doc_ids`` only on later pipeline
+        stages under ``block_causal`` (the first stage derives them from the ids)."""
         seq = tokens.shape[1]
         if seq > self.freqs_cis.shape[0]:
             raise ValueError(
                 f"sequence length {seq} exceeds model.max_seq_len={self.freqs_cis.shape[0]} "
                 "(the rotary cache length); raise model.max_seq_len"
             )
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        doc = self.document_ids(tokens)
+        if self.tok_embeddings is not None:
+            if doc_ids is None:
+                doc_ids = self.stage_inputs(tokens).get("doc_ids")
+            h = self.tok_embeddings(tokens)
+        else:
+            h = tokens
+            if doc_ids is None and self.config.attn_mask is AttentionMask.block_causal:
+                raise ValueError(
+                    "model.attn_mask=block_causal: a later pipeline stage needs doc_ids "
+                    "(the trainer passes stage_inputs)"
+                )
         for layer in self.layers.values():
             if layer is not None:
-                h = layer(h, self.freqs_cis, doc)
+                h = layer(h, self.freqs_cis, doc_ids)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is None:

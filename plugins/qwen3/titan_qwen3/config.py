@@ -206,11 +206,6 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
             f"model.n_layers={c.n_layers} is fewer than the {stages} pipeline stages "
             f"(parallelism.pp={pp} x pp_stages_per_rank)"
         )
-    if pp > 1 and c.attn_mask is AttentionMask.block_causal:
-        raise ConfigError(
-            f"model.attn_mask=block_causal needs the token ids on every stage; it cannot run "
-            f"with parallelism.pp={pp}"
-        )
     if c.attn_backend is AttentionBackend.flex and _get(parallelism, "device", "auto") == "cpu":
         raise ConfigError(
             "model.attn_backend=flex cannot train with parallelism.device=cpu: flex attention "

@@ -232,24 +232,40 @@ class Qwen3Model(nn.Module):
                 module.compute_dtype = dtype
 
     # ---------------------------------------------------------------- masks
-    def attention_mask(self, tokens: torch.Tensor | None) -> AttentionMaskT:
-        """None for causal attention (the kernel handles it); for ``block_causal``,
-        from the token ids: a flex ``BlockMask`` or a boolean SDPA mask."""
+    def stage_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What every pipeline stage needs from the token ids (``PipelineInfo.stage_inputs``):
+        the document ids of a ``block_causal`` mask; nothing for causal attention."""
+        if self.config.attn_mask is AttentionMask.causal:
+            return {}
+        return {"doc_ids": document_ids(tokens, self.config.eos_id)}
+
+    def attention_mask(self, doc_ids: torch.Tensor | None) -> AttentionMaskT:
+        """None for causal attention (the kernel handles it); for ``block_causal``, a
+        flex ``BlockMask`` or a boolean SDPA mask from the document ids."""
         c = self.config
         if c.attn_mask is AttentionMask.causal:
             return None
-        if tokens is None:
-            raise ValueError("model.attn_mask=block_causal needs the token ids (first pipeline stage)")
-        doc = document_ids(tokens, c.eos_id)
-        build = block_mask if use_flex(c.attn_backend, tokens.device) else dense_mask
-        return build(doc, tokens.shape[1], None, tokens.device)
+        if doc_ids is None:
+            raise ValueError(
+                "model.attn_mask=block_causal: a later pipeline stage needs doc_ids "
+                "(the trainer passes stage_inputs)"
+            )
+        # The sequence length is the ids': a later stage's hidden states may be a
+        # sequence shard (TP with sequence parallelism).
+        build = block_mask if use_flex(c.attn_backend, doc_ids.device) else dense_mask
+        return build(doc_ids, doc_ids.shape[1], None, doc_ids.device)
 
     # -------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first stage) or hidden states; ``doc_ids`` only on later pipeline
+        stages under ``block_causal`` (the first stage derives them from the ids)."""
         if self.tok_embeddings is not None:
-            h, mask = self.tok_embeddings(tokens), self.attention_mask(tokens)
+            if doc_ids is None:
+                doc_ids = self.stage_inputs(tokens).get("doc_ids")
+            h = self.tok_embeddings(tokens)
         else:
-            h, mask = tokens, self.attention_mask(None)
+            h = tokens
+        mask = self.attention_mask(doc_ids)
         for layer in self.layers.values():
             if layer is not None:
                 h = layer(h, self.rope_cache, mask)

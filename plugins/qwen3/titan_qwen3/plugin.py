@@ -23,6 +23,7 @@ def titan_register_models(register):
                 layers_attr="layers",
                 first_stage_modules=("tok_embeddings",),
                 last_stage_modules=("norm", "output"),
+                stage_inputs="stage_inputs",  # document ids for block_causal masks under PP
             ),
             capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
             description="Qwen3 (dense and MoE, qk-norm, GQA), TorchTitan 0.2.2 numerics",
