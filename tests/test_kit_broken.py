@@ -105,3 +105,16 @@ def test_a_broken_contract_reads_as_one_line_in_pytest(tmp_path):
     assert "Fix: register it with self.register_buffer" in out, out
     assert "meta-build: a made-up problem. Fix: a made-up fix." in out, out
     assert "Traceback" not in out and "conformance.py" not in out and "raise ContractError" not in out, out
+
+
+def test_stage_inputs_naming_no_model_method_fails_pipeline_split(tmp_path, monkeypatch):
+    from titan_plugins.testing.conformance import check_pipeline_split
+
+    target = _broken(tmp_path, monkeypatch, "kitstage", "plugin.py",
+                     'last_stage_modules=("norm", "output"),',
+                     'last_stage_modules=("norm", "output"), stage_inputs="doc_ids_for",')
+    with pytest.raises(ContractError) as info:
+        check_pipeline_split(target)
+    message = str(info.value)
+    assert message.startswith("pipeline-split: PipelineInfo.stage_inputs='doc_ids_for' is not a method of the model")
+    assert "Fix: define it as (tokens) -> dict[str, Tensor]" in message
