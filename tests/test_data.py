@@ -337,3 +337,28 @@ def test_default_setup_is_fast():
     dl = loader(seq_len=128)
     next(dl)
     assert time.perf_counter() - start < 3.0
+
+
+def test_train_tokenizer_cli_makes_a_tokenizer_a_run_accepts(tmp_path, capsys):
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import prepare_job
+    from titan_plugins.train.data.train_tokenizer import main
+
+    path = tmp_path / "notes.jsonl"
+    path.write_text("".join(json.dumps({"body": f"note {i}: the quick brown fox jumps. " * 8}) + "\n"
+                            for i in range(30)))
+    out = tmp_path / "tokenizer.json"
+    assert main([str(path), "--out", str(out), "--vocab-size", "300", "--text-field", "body"]) == 0
+    tok = Tokenizer.load(out)
+    assert tok.vocab_size == 300 and tok.eos_id == 299
+    assert tok.decode(tok.encode("the quick brown fox")) == "the quick brown fox"
+    assert len(tok.encode("the quick brown fox")) < len("the quick brown fox")  # it learned merges
+    # A 2048-vocab model accepts it; a 256-vocab one is refused before launch.
+    pm = get_plugin_manager()
+    data = ["data.name=jsonl", f"data.path={path}", "data.text_field=body", f"data.tokenizer={out}"]
+    prepare_job(["model=qwen3", *data], pm)
+    with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than data.tokenizer=.* \(300 ids\)"):
+        prepare_job(["model=qwen3", "model.vocab_size=256", *data], pm)
+    # Bad input: one line, exit code 2.
+    assert main([str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: DATA=")

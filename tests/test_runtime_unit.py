@@ -85,6 +85,9 @@ def test_pipeline_settings_are_checked():
         (["parallelism=fsdp2_ep2"], "does not support parallelism.ep=2"),
         (["training.local_batch_size=0"], "training.local_batch_size=0 must be at least 1"),
         (["checkpoint.init_from=/nonexistent"], "checkpoint.init_from=/nonexistent"),
+        (["model.vocab_size=1000"], "model.vocab_size=1000 is smaller than the shipped tokenizer (2048 ids)"),
+        (["model.vocab_size=1000", "data=synthetic", "data.vocab_size=1024"],
+         "model.vocab_size=1000 is smaller than data.vocab_size=1024"),
     ],
 )
 def test_bad_settings_fail_with_one_line_before_launch(pm, overrides, message):
@@ -93,6 +96,13 @@ def test_bad_settings_fail_with_one_line_before_launch(pm, overrides, message):
     with pytest.raises(ConfigError) as info:
         prepare_job(["model=tiny", *overrides], pm)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_vocabulary_that_holds_the_token_ids_is_accepted(pm):
+    from titan_plugins.train.api import prepare_job
+
+    prepare_job(["model=tiny", "model.vocab_size=1000", "data=synthetic", "data.vocab_size=1000"], pm)
+    prepare_job(["model=tiny", "model.vocab_size=4096"], pm)  # larger than the tokenizer: fine
 
 
 def test_cli_prints_one_error_line(monkeypatch, capsys):

@@ -106,10 +106,32 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: Any) -> Any:
     from titan_plugins.train.data.loader import find_dataset
 
     find_dataset(job.data.name, pm.datasets())
+    _check_vocab(config, job.data)
     init_from = job.checkpoint.init_from
     if init_from and not (Path(init_from) / ".metadata").is_file():
         raise ConfigError(f"checkpoint.init_from={init_from}: no DCP checkpoint there (missing .metadata)")
     return dims
+
+
+def _check_vocab(model_config: Any, data: DictConfig) -> None:
+    """Token ids must fit the model's embedding: a smaller ``vocab_size`` would crash
+    every rank with an index error in its first forward."""
+    model_vocab = getattr(model_config, "vocab_size", None)
+    if not isinstance(model_vocab, int):
+        return  # the model does not say; nothing to compare
+    if data.name == "synthetic" and data.vocab_size:
+        data_vocab, source = int(data.vocab_size), f"data.vocab_size={data.vocab_size}"
+    else:
+        from titan_plugins.train.data.tokenizer import build_tokenizer
+
+        data_vocab = build_tokenizer(data).vocab_size
+        where = f"data.tokenizer={data.tokenizer}" if data.tokenizer else "the shipped tokenizer"
+        source = f"{where} ({data_vocab} ids)"
+    if data_vocab > model_vocab:
+        raise ConfigError(
+            f"model.vocab_size={model_vocab} is smaller than {source}: token ids would index past "
+            "the embedding (raise model.vocab_size or use a smaller tokenizer)"
+        )
 
 
 def prepare_job(
