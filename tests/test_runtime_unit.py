@@ -125,29 +125,65 @@ def test_sweep_table_drops_common_overrides():
     assert "7.5000" in table and "failed: boom" in table
 
 
-def test_launcher_names_the_rank_that_failed_first_not_the_peers_it_woke(tmp_path, monkeypatch):
-    # Rank 1 raises; tearing its process group down makes rank 0 fail with a gloo
-    # read error that gets *recorded* first. The stamp taken when rank 1's error
-    # was caught (before teardown) must win over the order of recording.
+def test_a_failing_rank_records_its_error_before_tearing_down_the_process_group(tmp_path, monkeypatch, pm):
+    # Teardown wakes the peers with errors of their own, and once one exits the agent
+    # may kill this rank: what it failed with must already be on disk by then.
+    import json
+
+    import torch.distributed as dist
+
+    from titan_plugins.train import trainer, worker
+    from titan_plugins.train.api import prepare_job, write_config
+
+    spec, job, _ = prepare_job(["model=tiny", "parallelism=fsdp2"], pm, run_dir=tmp_path / "run")
+    config = write_config(job, tmp_path / "run")
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "1")
+
+    class FailingTrainer:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError("tiny: injected failure on rank 1")
+
+    on_disk_at_teardown = []
+    monkeypatch.setattr(trainer, "Trainer", FailingTrainer)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "destroy_process_group",
+                        lambda: on_disk_at_teardown.append(json.loads(error_file.read_text())))
+    with pytest.raises(SystemExit) as info:
+        worker.entry(str(config))
+    assert info.value.code == 1
+    assert len(on_disk_at_teardown) == 1
+    recorded = on_disk_at_teardown[0]["message"]["message"]
+    assert recorded.startswith("rank 1 crashed: RuntimeError: tiny: injected failure on rank 1")
+    assert json.loads(error_file.read_text()) == on_disk_at_teardown[0]  # recorded once, not rewritten
+
+
+def test_launcher_names_the_rank_that_recorded_first_even_if_torch_lists_only_a_peer(tmp_path, monkeypatch):
+    # Rank 1 records its crash; its teardown wakes rank 0, which records and exits
+    # first, so torch's ChildFailedError lists rank 0 only (rank 1 is then stopped).
     import time
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    from titan_plugins.distributed.launcher import _first_failure
+    from titan_plugins.distributed.launcher import (
+        FAILURE_DIR_ENV,
+        _first_failure,
+        read_failure_records,
+    )
     from titan_plugins.train import worker
 
-    original = RuntimeError("tiny: injected failure on rank 1")
-    worker._stamp(original)
-    time.sleep(0.01)
-    files = {}
-    for rank, exc in ((0, RuntimeError("[gloo/transport/tcp/pair.cc] Read error")), (1, original)):
-        files[rank] = tmp_path / f"error-{rank}.json"
-        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(files[rank]))
+    monkeypatch.setenv(FAILURE_DIR_ENV, str(tmp_path / "records"))
+    (tmp_path / "records").mkdir()
+    for rank, exc in ((1, RuntimeError("tiny: injected failure on rank 1")),
+                      (0, RuntimeError("[gloo/transport/tcp/pair.cc] Connection closed by peer"))):
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / f"error-{rank}.json"))
         monkeypatch.setenv("RANK", str(rank))
-        worker._record(exc, user=False)
+        worker.record_failure(exc)
         time.sleep(0.01)
-    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=1, error_file=str(path))
-                for rank, path in files.items()}
-    rank, text, user, code = _first_failure(ChildFailedError("entry", failures))
+    only_rank0 = {0: ProcessFailure(local_rank=0, pid=100, exitcode=1, error_file=str(tmp_path / "error-0.json"))}
+    exc = ChildFailedError("entry", only_rank0)
+    assert _first_failure(exc)[0] == 0  # torch's view alone names the wrong rank
+    rank, text, user, code = _first_failure(exc, read_failure_records(tmp_path / "records"))
     assert (rank, user, code) == (1, False, 1)
     assert text.startswith("rank 1 crashed: RuntimeError: tiny: injected failure on rank 1")

@@ -13,16 +13,21 @@ from a subprocess (``titan_plugins.train.api.run`` uses it to enforce timeouts).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 import socket
 import sys
+import tempfile
 import uuid
 from pathlib import Path
 
 from titan_plugins.distributed.parallel_dims import threads_per_rank
 
-__all__ = ["free_port", "launch"]
+__all__ = ["FAILURE_DIR_ENV", "free_port", "launch", "read_failure_records"]
+
+FAILURE_DIR_ENV = "TITAN_FAILURE_DIR"
 
 _NOISY = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run", "torch.multiprocessing")
 
@@ -38,24 +43,52 @@ def _quiet_elastic() -> None:
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
-def _first_failure(exc) -> tuple[int, str, bool, int]:
-    """(rank, message, is_user_error, exitcode) of the earliest recorded failure."""
-    best = None
-    for rank, failure in exc.failures.items():
-        data = failure.error_file_data or {}
-        msg = data.get("message")
-        info = msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
-        t_ns = info.get("titan_time_ns")
-        key = (0 if t_ns is not None else 1, t_ns or failure.timestamp * 10**9, rank)
-        if best is None or key < best[0]:
-            best = (key, rank, failure, info)
-    _, rank, failure, info = best
-    text = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+def _info(data: dict) -> dict:
+    msg = data.get("message")
+    return msg.get("extraInfo", {}) if isinstance(msg, dict) else {}
+
+
+def read_failure_records(folder: str | os.PathLike) -> dict[int, dict]:
+    """The ``rank-N.json`` failure records the ranks wrote (``TITAN_FAILURE_DIR``)."""
+    records = {}
+    for path in Path(folder).glob("rank-*.json"):
+        try:
+            records[int(path.stem.split("-", 1)[1])] = json.loads(path.read_text())
+        except (ValueError, OSError):
+            continue  # a rank killed mid-write leaves no complete record (writes are atomic)
+    return records
+
+
+def _first_failure(exc, records: dict[int, dict] | None = None) -> tuple[int, str, bool, int]:
+    """(rank, message, is_user_error, exitcode) of the earliest recorded failure.
+
+    Candidates are the ranks that recorded a failure (``records``), including ranks
+    the agent stopped before they exited (torch's ``exc.failures`` lists only the
+    processes that had exited by then), and every failed process torch reports.
+    """
+    records = dict(records or {})
+    candidates = [(rank, records.pop(rank, None) or failure.error_file_data or {}, failure)
+                  for rank, failure in exc.failures.items()]
+    candidates += [(rank, data, None) for rank, data in records.items()]
+
+    def order(candidate):
+        rank, data, failure = candidate
+        t_ns = _info(data).get("titan_time_ns")
+        if t_ns is not None:
+            return (0, t_ns, rank)
+        return (1, failure.timestamp * 10**9 if failure is not None else 0, rank)
+
+    rank, data, failure = min(candidates, key=order)
+    info = _info(data)
+    user = bool(info.get("titan_user_error"))
+    msg = data.get("message")
+    text = msg.get("message", "") if isinstance(msg, dict) else (msg or "")
+    code = failure.exitcode if failure is not None and failure.exitcode > 0 else (2 if user else 1)
     if not text or text.startswith("To enable traceback"):
-        text = f"rank {rank} exited with code {failure.exitcode}"
-        if failure.exitcode < 0:
+        text = f"rank {rank} exited with code {code}"
+        if failure is not None and failure.exitcode < 0:
             text = f"rank {rank} was killed by signal {failure.signal_name()}"
-    return rank, text, bool(info.get("titan_user_error")), failure.exitcode
+    return rank, text, user, code
 
 
 def launch(config_path: str | os.PathLike, nproc: int, *, error_file: str | os.PathLike | None = None) -> int:
@@ -79,15 +112,22 @@ def launch(config_path: str | os.PathLike, nproc: int, *, error_file: str | os.P
         monitor_interval=0.1,
         start_method="spawn",
     )
+    # Every rank also writes its failure here: torch's ChildFailedError lists only
+    # the processes that had exited when the agent noticed the first failure.
+    failure_dir = tempfile.mkdtemp(prefix="titan-failures-")
+    os.environ[FAILURE_DIR_ENV] = failure_dir
     try:
         elastic_launch(config, entry)(str(config_path))
     except ChildFailedError as exc:
-        rank, text, user, code = _first_failure(exc)
+        rank, text, user, code = _first_failure(exc, read_failure_records(failure_dir))
         line = f"error: {text}" if user else text
         print(line, file=sys.stderr, flush=True)
         if error_file is not None:
             Path(error_file).write_text(text + "\n")
         return code if code > 0 else 1
+    finally:
+        os.environ.pop(FAILURE_DIR_ENV, None)
+        shutil.rmtree(failure_dir, ignore_errors=True)
     return 0
 
 

@@ -87,30 +87,41 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     try:
         return Trainer(spec, job, pm, run_dir).train()
     except BaseException as exc:
-        # Stamp the failure now: tearing the process group down below makes the
-        # peers fail too (gloo "Read error", NCCL "remote process exited"), and
-        # the launcher must name this rank as the first to fail, not them.
-        _stamp(exc)
+        # Record the failure before the teardown below: it wakes the peers with
+        # errors of their own (gloo "Connection closed by peer"), and once one of
+        # them exits the agent may kill this rank before it could say why. The
+        # launcher names the earliest record.
+        record_failure(exc)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-_STAMP = "_titan_failed_ns"
+_RECORDED = "_titan_recorded"
 
 
-def _stamp(exc: BaseException) -> None:
-    if getattr(exc, _STAMP, None) is None:
-        try:
-            setattr(exc, _STAMP, time.time_ns())
-        except AttributeError:  # exceptions with __slots__ keep the time of recording
-            pass
+def record_failure(exc: BaseException) -> None:
+    """Write ``exc`` to the elastic error file once (a user error as its first line,
+    a crash with its traceback); a clean ``SystemExit`` is not a failure."""
+    from titan_plugins.errors import TitanError
+
+    if getattr(exc, _RECORDED, False) or (isinstance(exc, SystemExit) and not exc.code):
+        return
+    _record(exc, user=isinstance(exc, TitanError))
+    try:
+        setattr(exc, _RECORDED, True)
+    except AttributeError:  # an exception type with __slots__: recorded again, same content
+        pass
 
 
 def _record(exc: BaseException, user: bool) -> None:
+    # torch elastic's per-rank error file, and titan's launcher's folder of records.
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
+    from titan_plugins.distributed.launcher import FAILURE_DIR_ENV
+
+    folder = os.environ.get(FAILURE_DIR_ENV)
+    if not path and not folder:
         return
     rank = os.environ.get("RANK", "0")
     first = (str(exc).strip().splitlines() or [""])[0]
@@ -125,13 +136,17 @@ def _record(exc: BaseException, user: bool) -> None:
             "extraInfo": {
                 "py_callstack": "".join(traceback.format_exception(exc)),
                 "timestamp": str(int(time.time())),
-                "titan_time_ns": getattr(exc, _STAMP, None) or time.time_ns(),
+                "titan_time_ns": time.time_ns(),
                 "titan_user_error": user,
             },
         }
     }
-    with open(path, "w") as f:
-        json.dump(data, f)
+    for target in (path, os.path.join(folder, f"rank-{rank}.json") if folder else None):
+        if target:
+            # Atomic: the agent may kill this rank at any moment, then reads the file.
+            with open(f"{target}.tmp", "w") as f:
+                json.dump(data, f)
+            os.replace(f"{target}.tmp", target)
 
 
 def entry(config_path: str) -> None:
@@ -141,13 +156,9 @@ def entry(config_path: str) -> None:
 
     try:
         run_rank(config_path)
-    except TitanError as exc:
-        _record(exc, user=True)
-        sys.stdout.flush()
-        raise SystemExit(exc.exit_code) from None
     except BaseException as exc:  # noqa: BLE001 - every crash is reported by the launcher
         if isinstance(exc, SystemExit) and not exc.code:
             raise
-        _record(exc, user=False)
+        record_failure(exc)  # a no-op when run_rank recorded it already
         sys.stdout.flush()
-        raise SystemExit(1) from None
+        raise SystemExit(exc.exit_code if isinstance(exc, TitanError) else 1) from None
