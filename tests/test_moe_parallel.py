@@ -25,6 +25,7 @@ from titan_plugins.components.moe import (
 )
 from titan_plugins.distributed.expert_parallel import apply_moe_parallel
 from titan_plugins.distributed.parallel_dims import ParallelDims
+from titan_plugins.distributed.teardown import destroy_process_groups
 
 DIM, HIDDEN, LOCAL_BATCH = 16, 8, 2
 TOL = dict(rtol=1e-5, atol=2e-6)
@@ -121,6 +122,7 @@ def _check(rank: int, dims: ParallelDims, case: dict) -> None:
 
 def _worker(rank: int, world: int, init_file: str, dims_args: dict, cases: list, errors) -> None:
     torch.set_num_threads(1)
+    finished = False
     try:
         dist.init_process_group(
             "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
@@ -130,12 +132,12 @@ def _worker(rank: int, world: int, init_file: str, dims_args: dict, cases: list,
         dims.build_meshes("cpu")
         for case in cases:
             _check(rank, dims, case)
+        finished = True
     except Exception:  # noqa: BLE001 - reported to the parent
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)
 
 
 def _spawn(tmp_path, world: int, dims_args: dict, cases: list) -> None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from titan_plugins.config.hydra_glue import compose, resolve_job
+from titan_plugins.distributed.teardown import destroy_process_groups
 from titan_plugins.errors import ConfigError
 from titan_plugins.plugins import get_plugin_manager
 
@@ -256,6 +257,7 @@ def _gloo_rank(rank, world, port, overrides, out_dir):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    finished = False
     try:
         spec, job, pm = _job(overrides)
         dims = ParallelDims.from_config(job.parallelism, world_size=world)
@@ -274,8 +276,9 @@ def _gloo_rank(rank, world, port, overrides, out_dir):
                     seen.add(storage.data_ptr())
                     stored += storage.nbytes()
         Path(out_dir, f"{rank}.json").write_text(json.dumps({"numel": numel, "bytes": stored}))
+        finished = True
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)
 
 
 @pytest.mark.slow

@@ -66,8 +66,7 @@ def create_seed_checkpoint(spec: Any, job: DictConfig, run_dir: Path) -> Path:
 
 def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     """Train as this process's rank (RANK/WORLD_SIZE/MASTER_* in the environment)."""
-    import torch.distributed as dist
-
+    from titan_plugins.distributed.teardown import destroy_process_groups
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.metrics import register_sinks
     from titan_plugins.train.trainer import Trainer
@@ -84,8 +83,11 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
         create_seed_checkpoint(spec, job, run_dir)
         return {}
     register_sinks(pm)
+    finished = False
     try:
-        return Trainer(spec, job, pm, run_dir).train()
+        result = Trainer(spec, job, pm, run_dir).train()
+        finished = True
+        return result
     except BaseException as exc:
         # Record the failure before the teardown below: it wakes the peers with
         # errors of their own (gloo "Connection closed by peer"), and once one of
@@ -94,8 +96,7 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
         record_failure(exc)
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)
 
 
 _RECORDED = "_titan_recorded"

@@ -19,6 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from titan_plugins.distributed.teardown import destroy_process_groups
+
 SEQ = 16
 GLOBAL_BATCH = 4
 
@@ -164,6 +166,7 @@ def worker(rank: int, world: int, port: int, names: list[str], out_dir: str) -> 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    finished = False
     try:
         for name in names:
             try:
@@ -175,5 +178,6 @@ def worker(rank: int, world: int, port: int, names: list[str], out_dir: str) -> 
             if rank == 0:
                 with open(os.path.join(out_dir, "results.txt"), "a") as f:
                     f.write(f"{name}: {result}\n")
+        finished = True
     finally:
-        dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)

@@ -22,6 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from titan_plugins.distributed.teardown import destroy_process_groups
+
 WORLD = 4
 BATCH, SEQ = 4, 32
 
@@ -193,6 +195,7 @@ def _worker(rank, port, out_dir):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     report = []
+    finished = False
     try:
         cfg = _config()
         from titan_llama4.config import AttentionMask
@@ -226,6 +229,7 @@ def _worker(rank, port, out_dir):
         reference = _reference(cfg)
         _run_pipeline_case(cfg, reference, tokens)
         report.append("pp stages (dp_shard=2 x tp=2): ok")
+        finished = True
     except BaseException:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
@@ -234,7 +238,7 @@ def _worker(rank, port, out_dir):
         if rank == 0:
             with open(os.path.join(out_dir, "report.txt"), "w") as f:
                 f.write("\n".join(report))
-        dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)
 
 
 def _free_port() -> int:

@@ -26,6 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_plugins.config.schema import JobConfig, ParallelismConfig
 from titan_plugins.distributed.parallel_dims import ParallelDims
+from titan_plugins.distributed.teardown import destroy_process_groups
 
 
 def _job(par: dict, training: dict):
@@ -177,13 +178,15 @@ def main(rank: int, world: int, port: int, cases: list[dict], result_dir: str) -
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = []
+    finished = False
     try:
         for case in cases:
             results.append(check(case))
+        finished = True
     except Exception:
         results.append({"error": traceback.format_exc()})
         raise
     finally:
         if rank == 0:
             torch.save(results, os.path.join(result_dir, "results.pt"))
-        dist.destroy_process_group()
+        destroy_process_groups(synchronize=finished)
