@@ -122,6 +122,13 @@ def split_model(
     return parts
 
 
+def stage_inputs(part: nn.Module, info: Any, tokens: torch.Tensor) -> dict[str, Any]:
+    """The keyword inputs every stage's forward gets for this batch: the model method
+    ``PipelineInfo.stage_inputs`` names, called on the token ids; ``{}`` if none."""
+    name = info.stage_inputs if info is not None else None
+    return getattr(part, name)(tokens) if name else {}
+
+
 def _side_effect_free_stage_class() -> type:
     """A ``PipelineStage`` whose metadata inference leaves module buffers untouched.
 

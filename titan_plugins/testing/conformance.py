@@ -683,7 +683,7 @@ def check_pipeline_split(target: Target) -> None:
     import torch
     from torch import nn
 
-    from titan_plugins.distributed.pipeline import split_model
+    from titan_plugins.distributed.pipeline import split_model, stage_inputs
 
     target = target.for_kind("pp")
     loaded = _job(target)
@@ -737,13 +737,10 @@ def check_pipeline_split(target: Target) -> None:
             raise ContractError("pipeline-split", f"{what} has parameters the whole model lacks: {foreign[:3]}",
                                 "keep parameter names (FQNs) identical on every stage")
         stage.load_state_dict({k: full_sd[k] for k in stage_sd}, strict=True)
-    extra = {}  # what the trainer hands every stage (PipelineInfo.stage_inputs)
-    if info.stage_inputs:
-        method = getattr(stages[-1], info.stage_inputs, None)
-        if not callable(method):
-            raise ContractError("pipeline-split", f"PipelineInfo.stage_inputs={info.stage_inputs!r} is not a "
-                                "method of the model", "define it as (tokens) -> dict[str, Tensor] on the model class")
-        extra = method(tokens)
+    if info.stage_inputs and not callable(getattr(stages[-1], info.stage_inputs, None)):
+        raise ContractError("pipeline-split", f"PipelineInfo.stage_inputs={info.stage_inputs!r} is not a "
+                            "method of the model", "define it as (tokens) -> dict[str, Tensor] on the model class")
+    extra = stage_inputs(stages[-1], info, tokens)  # what the trainer hands every stage
     h = tokens
     for index, stage in enumerate(stages):
         absent = info.last_stage_modules if index == 0 else info.first_stage_modules

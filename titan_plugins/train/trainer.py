@@ -20,6 +20,7 @@ import torch.distributed as dist
 from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.clip_grad import clip_grad_norm_
 from titan_plugins.distributed.parallel_dims import ParallelDims, default_device_and_backend
+from titan_plugins.distributed.pipeline import stage_inputs
 from titan_plugins.spec import ModelSpec
 from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
 from titan_plugins.train.lifecycle import ModelParts, build_model_parts
@@ -123,11 +124,6 @@ class Trainer:
             return loss_parallel()
         return contextlib.nullcontext()
 
-    def _stage_inputs(self, tokens: torch.Tensor) -> dict[str, Any]:
-        """Keyword inputs every pipeline stage gets (``PipelineInfo.stage_inputs``)."""
-        name = self.spec.pipeline.stage_inputs if self.spec.pipeline is not None else None
-        return getattr(self.model.parts[0], name)(tokens) if name else {}
-
     # ------------------------------------------------------------------ step
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
         """One optimizer step; returns (global loss, grad norm, global tokens)."""
@@ -148,7 +144,7 @@ class Trainer:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
             if self.model.pp:
                 losses: list[torch.Tensor] = []
-                extra = self._stage_inputs(inputs)
+                extra = stage_inputs(self.model.parts[0], self.spec.pipeline, inputs)
                 with self._loss_context():
                     if self.model.has_first:
                         self.model.schedule.step(inputs, target=labels, losses=losses, **extra)

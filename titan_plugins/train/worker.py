@@ -103,51 +103,47 @@ _RECORDED = "_titan_recorded"
 
 
 def record_failure(exc: BaseException) -> None:
-    """Write ``exc`` to the elastic error file once (a user error as its first line,
-    a crash with its traceback); a clean ``SystemExit`` is not a failure."""
+    """Write ``exc`` once, atomically, to torch elastic's per-rank error file and to
+    titan's launcher's folder of records: a user error (``TitanError``) as its first
+    line, a crash with its traceback. A clean ``SystemExit`` is not a failure."""
+    from titan_plugins.distributed.launcher import FAILURE_DIR_ENV
     from titan_plugins.errors import TitanError
 
     if getattr(exc, _RECORDED, False) or (isinstance(exc, SystemExit) and not exc.code):
         return
-    _record(exc, user=isinstance(exc, TitanError))
-    try:
-        setattr(exc, _RECORDED, True)
-    except AttributeError:  # an exception type with __slots__: recorded again, same content
-        pass
-
-
-def _record(exc: BaseException, user: bool) -> None:
-    # torch elastic's per-rank error file, and titan's launcher's folder of records.
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    from titan_plugins.distributed.launcher import FAILURE_DIR_ENV
-
     folder = os.environ.get(FAILURE_DIR_ENV)
-    if not path and not folder:
-        return
     rank = os.environ.get("RANK", "0")
+    targets = [t for t in (path, folder and os.path.join(folder, f"rank-{rank}.json")) if t]
+    if not targets:
+        return
+    user = isinstance(exc, TitanError)
     first = (str(exc).strip().splitlines() or [""])[0]
+    callstack = "".join(traceback.format_exception(exc))
     if user:
         message = first or type(exc).__name__
     else:
-        tb = "".join(traceback.format_exception(exc)).rstrip()
-        message = f"rank {rank} crashed: {type(exc).__name__}: {first}\n{tb}"
+        message = f"rank {rank} crashed: {type(exc).__name__}: {first}\n{callstack.rstrip()}"
     data = {
         "message": {
             "message": message,
             "extraInfo": {
-                "py_callstack": "".join(traceback.format_exception(exc)),
+                "py_callstack": callstack,
                 "timestamp": str(int(time.time())),
                 "titan_time_ns": time.time_ns(),
                 "titan_user_error": user,
             },
         }
     }
-    for target in (path, os.path.join(folder, f"rank-{rank}.json") if folder else None):
-        if target:
-            # Atomic: the agent may kill this rank at any moment, then reads the file.
-            with open(f"{target}.tmp", "w") as f:
-                json.dump(data, f)
-            os.replace(f"{target}.tmp", target)
+    for target in targets:
+        # Atomic: the agent may kill this rank at any moment, then reads the file.
+        with open(f"{target}.tmp", "w") as f:
+            json.dump(data, f)
+        os.replace(f"{target}.tmp", target)
+    try:
+        setattr(exc, _RECORDED, True)
+    except AttributeError:  # an exception type with __slots__: recorded again, same content
+        pass
 
 
 def entry(config_path: str) -> None:

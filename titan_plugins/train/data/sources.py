@@ -90,17 +90,19 @@ def corpus_tokens(tokenizer: Tokenizer) -> np.ndarray:
 
 
 # ------------------------------------------------------------------- files
-def _files(path: str | None, suffixes: tuple[str, ...], name: str) -> list[Path]:
+def find_files(path: str | None, suffixes: tuple[str, ...], name: str, key: str = "data.path") -> list[Path]:
+    """``path`` itself if it is a file, else the files under it ending in ``suffixes``;
+    errors name ``key`` (the setting or argument that gave the path)."""
     if not path:
-        raise ConfigError(f"data.name={name} needs data.path (a file or a directory)")
+        raise ConfigError(f"data.name={name} needs {key} (a file or a directory)")
     p = Path(path).expanduser()
     if not p.exists():
-        raise ConfigError(f"data.path={path!r} does not exist")
+        raise ConfigError(f"{key}={path!r} does not exist")
     if p.is_file():
         return [p]
     files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
     if not files:
-        raise ConfigError(f"data.path={path!r} holds no {'/'.join(suffixes)} files")
+        raise ConfigError(f"{key}={path!r} holds no {'/'.join(suffixes)} files")
     return files
 
 
@@ -207,7 +209,7 @@ def build_text(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> PackedTokenDataset:
     """A ``.txt`` file, or every ``.txt`` file under a directory (one document each)."""
-    files = _files(data_config.path, (".txt",), "text")
+    files = find_files(data_config.path, (".txt",), "text")
     tokens = cached_tokens(_files_key(files, "text"), lambda: read_text(files), tokenizer)
     return PackedTokenDataset(
         tokens, source=f"data.path={data_config.path!r}",
@@ -219,7 +221,7 @@ def build_jsonl(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> PackedTokenDataset:
     """A ``.jsonl`` file (or every one under a directory); ``data.text_field`` per line."""
-    files = _files(data_config.path, (".jsonl",), "jsonl")
+    files = find_files(data_config.path, (".jsonl",), "jsonl")
     field = data_config.text_field
     key = _files_key(files, "jsonl", field)
     tokens = cached_tokens(key, lambda: read_jsonl(files, field), tokenizer)

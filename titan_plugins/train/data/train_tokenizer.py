@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from titan_plugins.errors import ConfigError
 
@@ -22,12 +21,9 @@ __all__ = ["read_documents", "main"]
 
 
 def read_documents(path: str, text_field: str) -> list[str]:
-    from titan_plugins.train.data.sources import read_jsonl, read_text
+    from titan_plugins.train.data.sources import find_files, read_jsonl, read_text
 
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"DATA={path!r} does not exist")
-    files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.suffix in (".txt", ".jsonl"))
+    files = find_files(path, (".txt", ".jsonl"), "train_tokenizer", key="DATA")
     jsonl = [f for f in files if f.suffix == ".jsonl"]
     docs = (read_jsonl(jsonl, text_field) if jsonl else []) + read_text([f for f in files if f not in jsonl])
     if not any(doc.strip() for doc in docs):
