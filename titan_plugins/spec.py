@@ -86,6 +86,19 @@ class ModelSpec:
             ``titan_plugins.errors.ConfigError`` naming the two numbers that disagree.
         state_dict_adapter: a class with ``to_torchtitan(sd)`` / ``from_torchtitan(sd)``
             (and optionally ``to_hf`` / ``from_hf``), constructed with the config.
+            ``to_hf(sd)`` / ``from_hf(sd)`` map parameter names (and fused/split
+            tensors) between the model's state dict and a Hugging Face checkpoint,
+            both ways; the core uses them for ``model.hf`` loads and ``titan-export``.
+        config_from_hf: ``config_from_hf(hf_config: dict) -> dict`` returns values for
+            ``config`` (nested dicts for nested dataclasses) built from a Hugging Face
+            ``config.json``; they go on top of the chosen flavor, overrides on top of
+            them. A field the plugin cannot honour raises
+            ``titan_plugins.errors.ConfigError`` as
+            ``config.json: <field>=<value>: <why>``; meaningful fields are never
+            silently dropped. Needed for ``model.hf=PATH``.
+        config_to_hf: ``config_to_hf(config) -> dict`` returns a ``config.json`` dict
+            (with ``architectures`` and ``model_type``) that transformers 5.x loads.
+            Needed for ``titan-export``.
         flops: ``flops(config, seq_len) -> (num_params, flops_per_token)``.
         optimizer_hooks: ``optimizer_hooks(model_parts, parallel_dims) -> list[Callable[[], None]]``,
             run before every optimizer step (MoE load balancing lives here).
@@ -104,6 +117,8 @@ class ModelSpec:
     state_dict_adapter: Ref | None = None
     flops: Ref | None = None
     optimizer_hooks: Ref | None = None
+    config_from_hf: Ref | None = None
+    config_to_hf: Ref | None = None
     capabilities: Capabilities = field(default_factory=Capabilities)
     description: str = ""
 
