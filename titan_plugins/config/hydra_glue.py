@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hydra.core.config_search_path import ConfigSearchPath
@@ -25,7 +26,7 @@ from titan_plugins.spec import ModelSpec, resolve
 
 CONFIG_MODULE = "titan_plugins.conf"
 PRIMARY_CONFIG = "train"
-MODEL_META_KEYS = ("name", "flavor")
+MODEL_META_KEYS = ("name", "flavor", "hf")
 
 # Hydra instantiates search-path plugins itself (no arguments), so the entries of
 # the current plugin manager are handed over here right before composition.
@@ -62,6 +63,7 @@ def model_schema_node(spec: ModelSpec) -> DictConfig:
         [
             ("name", str, dataclasses.field(default=spec.name)),
             ("flavor", str, dataclasses.field(default=spec.default_flavor)),
+            ("hf", str | None, dataclasses.field(default=None)),  # a Hugging Face model folder
         ],
         bases=(schema,),
         kw_only=True,
@@ -387,12 +389,20 @@ def resolve_model(model_node: DictConfig, spec: ModelSpec) -> DictConfig:
         {k: v for k, v in OmegaConf.to_container(model_node, resolve=True, throw_on_missing=False).items()
          if k not in MODEL_META_KEYS}
     )
+    hf = model_node.get("hf")
     try:
         base = OmegaConf.merge(base, OmegaConf.structured(flavor))
+        if hf:  # config.json on top of the flavor, the user's overrides on top of it
+            from titan_plugins.hf.config import hf_model_values
+
+            base = OmegaConf.merge(base, hf_model_values(spec, hf))
         merged = OmegaConf.merge(base, user)
+    except ConfigError:
+        raise
     except Exception as exc:
         raise _model_error(exc, spec, user) from exc
-    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name})
+    hf = str(Path(hf).resolve()) if hf else None  # ranks may start elsewhere
+    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name, "hf": hf})
     return OmegaConf.merge(
         out, OmegaConf.create(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     )
@@ -418,6 +428,11 @@ def resolve_job(cfg: DictConfig, pm: TitanPluginManager) -> tuple[ModelSpec, Dic
     spec = pm.get_model(name)
     job = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True, throw_on_missing=False))
     job.model = resolve_model(cfg.model, spec)
+    if job.model.get("hf") and not job.data.get("tokenizer"):  # the folder's tokenizer.json
+        from titan_plugins.hf.config import tokenizer_path
+
+        if tokenizer_path(job.model.hf) is not None:
+            job.data.tokenizer = job.model.hf
     return spec, job
 
 

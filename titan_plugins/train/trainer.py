@@ -78,6 +78,10 @@ class Trainer:
         self.model: ModelParts = build_model_parts(spec, job, self.dims, self.device, pm, self.loss_fn)
         if job.checkpoint.init_from:
             load_model_weights(self.model.parts, job.checkpoint.init_from)
+        elif job.model.get("hf"):  # each rank reads only its shards' slices
+            from titan_plugins.hf.load import load_hf_weights
+
+            load_hf_weights(self.model.parts, spec, model_config(job.model, spec), job.model.hf)
 
         self.optimizers = [build_optimizer(part, job.training) for part in self.model.parts]
         self.schedulers = [build_lr_scheduler(opt, job.training) for opt in self.optimizers]

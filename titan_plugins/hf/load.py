@@ -1,0 +1,148 @@
+"""Sharded load of a Hugging Face folder into a (parallelized) model.
+
+For every entry of a rank's model state dict (DTensors under FSDP/TP/EP, only the
+stage's modules under PP) the adapter's ``to_hf`` on a meta tensor of the global
+shape names the Hugging Face tensors it comes from. The rank then reads, with
+safetensors' ``get_slice``, only the rows/columns of its own shard:
+
+- a rename (one Hugging Face tensor of the same shape): the shard's slice;
+- stacked experts (``n`` tensors of shape ``shape[1:]``): only the rank's experts,
+  each sliced in the remaining dimensions;
+- anything else (fused or split tensors): the parameter's Hugging Face tensors
+  whole, through ``from_hf``, then the shard is cut out. That is one parameter at
+  a time, never the whole model.
+
+Values are converted to the parameter's dtype (``precision.weight_dtype``).
+Entries with no Hugging Face counterpart (``expert_bias``, a tied output weight)
+keep what ``init_weights`` gave them (the adapter's ``from_hf`` defaults).
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["HFCheckpoint", "load_hf_weights"]
+
+
+class HFCheckpoint:
+    """Lazy access to the tensors of a folder's ``*.safetensors`` (index or not)."""
+
+    def __init__(self, folder: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.folder = Path(folder)
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            weight_map = None
+        self._stack = ExitStack()
+        self._files = {f: self._stack.enter_context(safe_open(str(self.folder / f), framework="pt")) for f in files}
+        if weight_map is None:
+            weight_map = {k: f for f, h in self._files.items() for k in h.keys()}
+        self.weight_map: dict[str, str] = weight_map
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> HFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _slice(self, key: str) -> Any:
+        if key not in self.weight_map:
+            raise ConfigError(f"model.hf={self.folder}: the checkpoint has no tensor {key!r}")
+        return self._files[self.weight_map[key]].get_slice(key)
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._slice(key).get_shape())
+
+    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
+        sl = self._slice(key)
+        return sl[index] if index else sl[:]
+
+
+def _local_slices(value: Any) -> tuple[Any, tuple[slice, ...]]:
+    """``(local tensor to fill, global index of that shard)``."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(value, DTensor):
+        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+        local = value.to_local()
+        return local, tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    return value, tuple(slice(0, s) for s in value.shape)
+
+
+def _probe(adapter: Any, key: str, shape: torch.Size) -> dict[str, Any]:
+    return adapter.to_hf({key: torch.empty(shape, device="meta")})
+
+
+def _expert_order(adapter: Any, key: str, shape: torch.Size, names: list[str]) -> list[str]:
+    """Hugging Face names of a stacked tensor in stack order (index 0 first): probe
+    ``to_hf`` with a stride-0 tensor whose slice ``e`` holds ``e``."""
+    probe = torch.arange(shape[0], dtype=torch.float32).view(-1, *[1] * (len(shape) - 1)).expand(*shape)
+    mapped = adapter.to_hf({key: probe})
+    order = {int(t[(0,) * t.dim()].item()): n for n, t in mapped.items()}
+    return [order[e] for e in range(shape[0])] if sorted(order) == list(range(shape[0])) else names
+
+
+def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> bool:
+    local, index = _local_slices(value)
+    if local.numel() == 0:
+        return True
+    mapped = _probe(adapter, key, value.shape)
+    if not mapped:
+        return False  # not in Hugging Face checkpoints (tied output, expert_bias, buffers)
+    names = list(mapped)
+    shape = tuple(value.shape)
+    if len(names) == 1 and tuple(mapped[names[0]].shape) == shape and tuple(ckpt.shape(names[0])) == shape:
+        part = ckpt.read(names[0], index)
+    elif (
+        len(names) == shape[0]
+        and all(tuple(mapped[n].shape) == shape[1:] for n in names)
+        and all(tuple(ckpt.shape(n)) == shape[1:] for n in names)
+    ):
+        ordered = _expert_order(adapter, key, value.shape, names)[index[0]]
+        part = torch.stack([ckpt.read(n, index[1:]) for n in ordered])
+    else:  # fused or split: this parameter's tensors whole, then our shard
+        full = adapter.from_hf({n: ckpt.read(n) for n in names})
+        if key not in full:
+            raise ConfigError(f"model.hf={ckpt.folder}: the adapter's from_hf gives no {key!r}")
+        part = full[key][index]
+    if tuple(part.shape) != tuple(local.shape):
+        raise ConfigError(
+            f"model.hf={ckpt.folder}: {key} has shape {tuple(part.shape)} in the checkpoint's "
+            f"slice, the model's shard is {tuple(local.shape)}"
+        )
+    local.copy_(part.to(dtype=local.dtype, device=local.device))
+    return True
+
+
+@torch.no_grad()
+def load_hf_weights(parts: list[torch.nn.Module], spec: Any, config: Any, folder: str | Path) -> dict[str, int]:
+    """Fill every model part from ``folder``; returns ``{"loaded": n, "kept": m}``
+    (entries kept at their initial values because Hugging Face has no such tensor)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    adapter = spec.load("state_dict_adapter")(config)
+    loaded = kept = 0
+    with HFCheckpoint(folder) as ckpt:
+        for part in parts:
+            for key, value in get_model_state_dict(part).items():
+                if _fill(ckpt, adapter, key, value):
+                    loaded += 1
+                else:
+                    kept += 1
+    return {"loaded": loaded, "kept": kept}
