@@ -120,6 +120,7 @@ class CheckpointConfig:
     init_from: str | None = None  # a seed checkpoint (model weights only)
     save_final: bool = True
     create_seed: bool = False  # build + init_weights on one rank, save model weights, exit
+    export_hf: bool = False  # at the end, write a Hugging Face folder to <run_dir>/hf (titan-export)
 
 
 @dataclass

@@ -211,6 +211,10 @@ class Trainer:
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
         if job.training.dump_final_params:
             self.dump_final_params()
+        if job.checkpoint.get("export_hf"):
+            from titan_plugins.hf.export import export_run
+
+            export_run(self)
         return metrics
 
     def dump_final_params(self) -> None:

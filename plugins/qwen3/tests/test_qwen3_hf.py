@@ -121,3 +121,40 @@ def test_unhonourable_field_is_one_error(tmp_path, field, value):
         prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH], get_plugin_manager())
     msg = str(err.value)
     assert "\n" not in msg and f"config.json: {field}=" in msg and "model.hf=" in msg
+
+
+LAYOUTS = {  # 4 ranks
+    "fsdp2_tp2": ("dense", {"dp_shard": 2, "tp": 2}, None),
+    "fsdp2_tp2_ep2": ("moe", {"dp_shard": 2, "tp": 2, "ep": 2}, None),
+    "fsdp4_ep4_etp1": ("moe", {"dp_shard": 4, "ep": 4}, None),
+    # two pipeline stages (each rank builds both here), each FSDP over 2 x TP 2
+    "pp2_stages_fsdp2_tp2": ("dense", {"dp_shard": 2, "tp": 2},
+                             [{"keep": ["0"], "first": True, "last": False},
+                              {"keep": ["1"], "first": False, "last": True}]),
+}
+
+
+@pytest.mark.slow
+def test_sharded_load_matches_one_rank_load(tmp_path):
+    import socket
+
+    import qwen3_hf_worker
+    import torch.multiprocessing as mp
+
+    dense, _ = hf_folder(tmp_path, "dense")
+    moe, _ = hf_folder(tmp_path, "moe", num_experts=8)
+    folders = {"dense": (str(dense), "debugmodel"), "moe": (str(moe), "debugmodel_moe")}
+    cases = [
+        {"folder": folders[kind][0], "flavor": folders[kind][1], "par": par, "stages": stages}
+        for kind, par, stages in LAYOUTS.values()
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(qwen3_hf_worker.main, args=(4, port, cases, str(tmp_path)), nprocs=4, join=True)
+    results = torch.load(tmp_path / "results.pt")
+    assert "error" not in results[-1], results[-1]["error"]
+    for name, result in zip(LAYOUTS, results, strict=True):
+        assert result["sharded_entries"] > 0, name  # the ranks really hold slices
+        assert result["max_logits_diff"] <= 1e-5, (name, result)
+    print({name: r["max_logits_diff"] for name, r in zip(LAYOUTS, results, strict=True)})

@@ -1,0 +1,103 @@
+"""Rank code for the sharded Hugging Face load check (spawned by test_qwen3_hf.py).
+
+Per case every rank loads the folder whole into a single-process model (the
+reference), and the parallel model as the trainer builds it (meta build ->
+optional pipeline-stage cut -> parallelize -> ``to_empty`` -> ``init_weights`` ->
+``load_hf_weights``, which reads only the rank's slices), then compares logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from titan_qwen3.config import FLAVORS
+from titan_qwen3.hf_config import config_from_hf
+from titan_qwen3.model import build
+from titan_qwen3.parallelize import parallelize
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titan_plugins.config.schema import JobConfig, ParallelismConfig
+from titan_plugins.distributed.parallel_dims import ParallelDims
+from titan_plugins.distributed.teardown import destroy_process_groups
+from titan_plugins.hf.load import load_hf_weights
+from titan_plugins.plugins import get_plugin_manager
+
+
+def _config(folder: str, flavor: str):
+    values = config_from_hf(json.loads(open(os.path.join(folder, "config.json")).read()))
+    values["attn_backend"] = "sdpa"
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS[flavor]), values))
+
+
+def _cut_stage(model, keep: list[str], first: bool, last: bool):
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        model.output = None
+
+
+def check(case: dict, spec) -> dict:
+    cfg = _config(case["folder"], case["flavor"])
+    par = case["par"]
+    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
+    dims.build_meshes("cpu")
+    job = OmegaConf.structured(JobConfig(model={}))
+    for key, value in par.items():
+        job.parallelism[key] = value
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    ref = build(cfg)
+    with torch.no_grad():
+        ref.init_weights()
+    load_hf_weights([ref], spec, cfg, case["folder"])
+    parts, sharded = [], 0
+    for stage in case.get("stages") or [None]:
+        with torch.device("meta"):
+            part = build(cfg)
+        if stage is not None:
+            _cut_stage(part, **stage)
+        part = parallelize(part, dims, job)
+        part.to_empty(device="cpu")
+        with torch.no_grad():
+            part.init_weights(torch.device("cpu"))
+        load_hf_weights([part], spec, cfg, case["folder"])
+        sharded += sum(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for v in part.state_dict().values())
+        parts.append(part)
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        want = ref(tokens)
+        x = tokens
+        for part in parts:
+            x = part(x)
+    got = x.full_tensor() if isinstance(x, DTensor) else x
+    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded}
+
+
+def main(rank: int, world: int, port: int, cases: list[dict], result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spec = get_plugin_manager().get_model("qwen3")
+    results, finished = [], False
+    try:
+        for case in cases:
+            results.append(check(case, spec))
+        finished = True
+    except Exception:
+        results.append({"error": traceback.format_exc()})
+        raise
+    finally:
+        if rank == 0:
+            torch.save(results, os.path.join(result_dir, "results.pt"))
+        destroy_process_groups(synchronize=finished)
