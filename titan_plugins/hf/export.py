@@ -119,8 +119,9 @@ def export_folder(spec: Any, config: Any, job: Any, state_dict: dict[str, torch.
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    weight_dtype = str(job.precision.weight_dtype) if hasattr(job, "precision") else "float32"
-    hf_config["dtype"] = weight_dtype
+    dtypes = {t.dtype for t in hf_sd.values() if t.is_floating_point()}
+    if len(dtypes) == 1:  # the weights as trained (precision.weight_dtype)
+        hf_config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(hf_sd, tmp)
     tokenizer = _tokenizer_file(job)

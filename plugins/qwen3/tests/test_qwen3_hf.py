@@ -80,6 +80,17 @@ def test_logits_equal_transformers(tmp_path, kind):
 
     hf_sd = load_file(str(folder / "model.safetensors"))
     assert set(spec_adapter(cfg).to_hf(ours.state_dict())) == set(hf_sd)
+    # and back out: config_to_hf + to_hf give a folder transformers loads strictly
+    from titan_plugins.hf.export import export_folder
+
+    spec = get_plugin_manager().get_model("qwen3")
+    out = export_folder(spec, cfg, job, ours.state_dict(), tmp_path / "exported")
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, attn_implementation="sdpa"
+    )
+    assert type(again) is type(ref) and not any(info.values()), info
+    with torch.no_grad():
+        assert (again.eval()(tokens).logits - got).abs().max().item() <= 1e-5
 
 
 def spec_adapter(cfg):
@@ -158,3 +169,50 @@ def test_sharded_load_matches_one_rank_load(tmp_path):
         assert result["sharded_entries"] > 0, name  # the ranks really hold slices
         assert result["max_logits_diff"] <= 1e-5, (name, result)
     print({name: r["max_logits_diff"] for name, r in zip(LAYOUTS, results, strict=True)})
+
+
+@pytest.mark.slow
+def test_train_from_folder_then_export_loads_strictly(tmp_path):
+    """3 steps from the folder under FSDP on 2 ranks, then titan-export from the DCP
+    checkpoint; transformers loads it strictly and its logits are the trained model's."""
+    from titan_qwen3.model import build
+
+    from titan_plugins.cli.export import main as export_main
+    from titan_plugins.train.api import run
+    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+
+    folder, _ = hf_folder(tmp_path, "dense")
+    run_dir = tmp_path / "run"
+    result = run(  # the shipped tokenizer, named explicitly: the folder's is a stub
+        ["model=qwen3", f"model.hf={folder}", *SYNTH, f"data.tokenizer={DEFAULT_TOKENIZER}",
+         "parallelism=fsdp2", "training.steps=3",
+         "training.seq_len=16", "training.local_batch_size=2", "checkpoint.enabled=true",
+         "checkpoint.export_hf=true", "training.dump_final_params=true", "metrics.tensorboard=false",
+         "metrics.console=false"],
+        run_dir=run_dir, timeout=240,
+    )
+    assert result.returncode == 0, f"{result.error}\n{result.stderr[-3000:]}"
+    assert export_main([str(run_dir), "--out", str(tmp_path / "exported")]) == 0
+    index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]
+    exported_tok = (tmp_path / "exported" / "tokenizer.json").read_bytes()
+    assert exported_tok == DEFAULT_TOKENIZER.read_bytes()  # the tokenizer the run used
+
+    trained_sd = torch.load(run_dir / "final_params.pt")
+    _, cfg, _, _ = load_ours(folder)
+    ours = build(cfg)
+    ours.load_state_dict(trained_sd, strict=False)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ours.eval()(tokens)
+    for out in (tmp_path / "exported", run_dir / "hf"):  # titan-export and checkpoint.export_hf
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, output_loading_info=True, attn_implementation="sdpa"
+        )
+        assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+        with torch.no_grad():
+            got = model.eval()(tokens).logits
+        assert (got - want).abs().max().item() <= 1e-5
+    # the training moved the weights: the export is not the starting folder again
+    start = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert not torch.equal(start.lm_head.weight, model.lm_head.weight)
