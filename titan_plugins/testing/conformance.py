@@ -66,6 +66,7 @@ CONTRACTS = {
     "parallelize-pp": "the parallelize hook runs per pipeline stage, where stage-local modules are None",
     "pipeline-split": "split by PipelineInfo, each stage initialises and runs, and the stages chained give the model's logits",
     "loss-parity": "a 2-rank gloo run matches the single-rank loss within LOSS_PARITY",
+    "hf-round-trip": "the adapter's from_hf(to_hf(state_dict())) is the state dict exactly, and config.json maps both ways",
 }
 
 # The degrees each fake-process-group check uses (world size = their product).

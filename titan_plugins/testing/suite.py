@@ -97,6 +97,11 @@ class ConformanceSuite:
     def test_pipeline_split(self) -> None:
         _run(c.check_pipeline_split, self.titan_target())
 
+    def test_hf_round_trip(self) -> None:
+        from titan_plugins.testing.hf_check import check_hf_round_trip
+
+        _run(check_hf_round_trip, self.titan_target())
+
     # ------------------------------------------------- parallelize (fake PG)
     @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep", "pp"])
     def test_parallelize(self, kind: str) -> None:
