@@ -8,9 +8,15 @@ safetensors' ``get_slice``, only the rows/columns of its own shard:
 - a rename (one Hugging Face tensor of the same shape): the shard's slice;
 - stacked experts (``n`` tensors of shape ``shape[1:]``): only the rank's experts,
   each sliced in the remaining dimensions;
-- anything else (fused or split tensors): the parameter's Hugging Face tensors
-  whole, through ``from_hf``, then the shard is cut out. That is one parameter at
-  a time, never the whole model.
+- split on the Hugging Face side: the parameter's Hugging Face tensors whole,
+  through ``from_hf``, then the shard is cut out (one parameter at a time);
+- fused on the Hugging Face side (``to_hf`` of the entry alone raises or names
+  nothing): the part's remaining Hugging Face tensors, one layer at a time,
+  through ``from_hf``, then the shards are cut out. Never the whole model.
+
+The first two are recognised from ``to_hf`` on a meta tensor: a rename hands the
+tensor itself on, a stack hands on ``t[e]`` views; anything else (a transpose, a
+permutation, a copy) takes the whole-tensor paths, which are always right.
 
 Values are converted to the parameter's dtype (``precision.weight_dtype``).
 Entries with no Hugging Face counterpart (``expert_bias``, a tied output weight)
@@ -20,6 +26,7 @@ keep what ``init_weights`` gave them (the adapter's ``from_hf`` defaults).
 from __future__ import annotations
 
 import json
+import re
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -85,8 +92,9 @@ def _local_slices(value: Any) -> tuple[Any, tuple[slice, ...]]:
     return value, tuple(slice(0, s) for s in value.shape)
 
 
-def _probe(adapter: Any, key: str, shape: torch.Size) -> dict[str, Any]:
-    return adapter.to_hf({key: torch.empty(shape, device="meta")})
+def _probe(adapter: Any, key: str, shape: torch.Size) -> tuple[torch.Tensor, dict[str, Any]]:
+    probe = torch.empty(shape, device="meta")
+    return probe, adapter.to_hf({key: probe})
 
 
 def _expert_order(adapter: Any, key: str, shape: torch.Size, names: list[str]) -> list[str]:
@@ -98,51 +106,98 @@ def _expert_order(adapter: Any, key: str, shape: torch.Size, names: list[str]) -
     return [order[e] for e in range(shape[0])] if sorted(order) == list(range(shape[0])) else names
 
 
-def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> bool:
-    local, index = _local_slices(value)
-    if local.numel() == 0:
-        return True
-    mapped = _probe(adapter, key, value.shape)
-    if not mapped:
-        return False  # not in Hugging Face checkpoints (tied output, expert_bias, buffers)
-    names = list(mapped)
-    shape = tuple(value.shape)
-    if len(names) == 1 and tuple(mapped[names[0]].shape) == shape and tuple(ckpt.shape(names[0])) == shape:
-        part = ckpt.read(names[0], index)
-    elif (
-        len(names) == shape[0]
-        and all(tuple(mapped[n].shape) == shape[1:] for n in names)
-        and all(tuple(ckpt.shape(n)) == shape[1:] for n in names)
-    ):
-        ordered = _expert_order(adapter, key, value.shape, names)[index[0]]
-        part = torch.stack([ckpt.read(n, index[1:]) for n in ordered])
-    else:  # fused or split: this parameter's tensors whole, then our shard
-        full = adapter.from_hf({n: ckpt.read(n) for n in names})
-        if key not in full:
-            raise ConfigError(f"model.hf={ckpt.folder}: the adapter's from_hf gives no {key!r}")
-        part = full[key][index]
+def _copy(ckpt: HFCheckpoint, key: str, local: Any, part: torch.Tensor) -> None:
     if tuple(part.shape) != tuple(local.shape):
         raise ConfigError(
             f"model.hf={ckpt.folder}: {key} has shape {tuple(part.shape)} in the checkpoint's "
             f"slice, the model's shard is {tuple(local.shape)}"
         )
     local.copy_(part.to(dtype=local.dtype, device=local.device))
-    return True
+
+
+def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> tuple[list[str], bool] | None:
+    """Fill one entry from its own Hugging Face tensors; returns ``(names read,
+    whether only the shard's slices were read)``, or ``None`` when the entry cannot
+    be mapped alone (fused with others, or absent)."""
+    local, index = _local_slices(value)
+    try:
+        probe, mapped = _probe(adapter, key, value.shape)
+    except Exception:  # needs its fused partners: the grouped pass handles it
+        return None
+    names = list(mapped)
+    if not names or any(n not in ckpt.weight_map for n in names):
+        return None
+    shape = tuple(value.shape)
+    if local.numel() == 0:
+        return names, True
+    sliced = True
+    if len(names) == 1 and mapped[names[0]] is probe and tuple(ckpt.shape(names[0])) == shape:
+        part = ckpt.read(names[0], index)  # a rename (to_hf hands the tensor on): only this rank's slice
+    elif (
+        len(names) == shape[0]
+        and all(tuple(mapped[n].shape) == shape[1:] and mapped[n].stride() == probe.stride()[1:] for n in names)
+        and all(tuple(ckpt.shape(n)) == shape[1:] for n in names)
+    ):  # stacked experts (to_hf hands on plain slices): only this rank's experts, each sliced
+        ordered = _expert_order(adapter, key, value.shape, names)[index[0]]
+        part = torch.stack([ckpt.read(n, index[1:]) for n in ordered])
+    else:  # split on the Hugging Face side: this parameter's tensors whole, then our shard
+        full = adapter.from_hf({n: ckpt.read(n) for n in names})
+        if key not in full:
+            return None
+        part, sliced = full[key][index], False
+    _copy(ckpt, key, local, part)
+    return names, sliced
+
+
+def _layer_of(name: str) -> str | None:
+    match = re.search(r"\.(\d+)\.", name)
+    return match.group(1) if match else None
+
+
+def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], used: set[str]) -> int:
+    """Entries fused on the Hugging Face side (or absent from it): the remaining
+    Hugging Face tensors of this part, one layer at a time, through ``from_hf``.
+    Returns how many entries were filled; the others keep their initial values."""
+    meta = {k: torch.empty(v.shape, device="meta") for k, v in pending.items()}
+    try:
+        wanted = set(adapter.to_hf(meta)) - used
+    except Exception as exc:
+        raise ConfigError(f"model.hf={ckpt.folder}: the adapter's to_hf fails on {sorted(pending)[0]}: {exc}") from None
+    wanted &= set(ckpt.weight_map)
+    groups: dict[str | None, list[str]] = {}
+    for name in sorted(wanted):
+        groups.setdefault(_layer_of(name), []).append(name)
+    filled = 0
+    for names in groups.values():
+        ours = adapter.from_hf({n: ckpt.read(n) for n in names})
+        for key in [k for k in pending if k in ours]:
+            local, index = _local_slices(pending.pop(key))
+            _copy(ckpt, key, local, ours[key][index])
+            filled += 1
+    return filled
 
 
 @torch.no_grad()
 def load_hf_weights(parts: list[torch.nn.Module], spec: Any, config: Any, folder: str | Path) -> dict[str, int]:
-    """Fill every model part from ``folder``; returns ``{"loaded": n, "kept": m}``
-    (entries kept at their initial values because Hugging Face has no such tensor)."""
+    """Fill every model part from ``folder``. Returns counts: ``loaded`` entries,
+    ``sliced`` (of those, read as the shard's slices only) and ``kept`` (left at
+    their initial values: Hugging Face has no such tensor)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     adapter = spec.load("state_dict_adapter")(config)
-    loaded = kept = 0
+    loaded = kept = sliced = 0
     with HFCheckpoint(folder) as ckpt:
         for part in parts:
+            pending: dict[str, Any] = {}
+            used: set[str] = set()
             for key, value in get_model_state_dict(part).items():
-                if _fill(ckpt, adapter, key, value):
-                    loaded += 1
+                done = _fill(ckpt, adapter, key, value)
+                if done is None:
+                    pending[key] = value
                 else:
-                    kept += 1
-    return {"loaded": loaded, "kept": kept}
+                    used.update(done[0])
+                    loaded, sliced = loaded + 1, sliced + done[1]
+            if pending:
+                filled = _fill_grouped(ckpt, adapter, pending, used)
+                loaded, kept = loaded + filled, kept + len(pending)
+    return {"loaded": loaded, "sliced": sliced, "kept": kept}

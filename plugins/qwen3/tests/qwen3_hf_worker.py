@@ -61,7 +61,7 @@ def check(case: dict, spec) -> dict:
     with torch.no_grad():
         ref.init_weights()
     load_hf_weights([ref], spec, cfg, case["folder"])
-    parts, sharded = [], 0
+    parts, sharded, whole = [], 0, 0
     for stage in case.get("stages") or [None]:
         with torch.device("meta"):
             part = build(cfg)
@@ -71,7 +71,8 @@ def check(case: dict, spec) -> dict:
         part.to_empty(device="cpu")
         with torch.no_grad():
             part.init_weights(torch.device("cpu"))
-        load_hf_weights([part], spec, cfg, case["folder"])
+        counts = load_hf_weights([part], spec, cfg, case["folder"])
+        whole += counts["loaded"] - counts["sliced"]
         sharded += sum(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for v in part.state_dict().values())
         parts.append(part)
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
@@ -80,7 +81,7 @@ def check(case: dict, spec) -> dict:
         for part in parts:
             x = part(x)
     got = x.full_tensor() if isinstance(x, DTensor) else x
-    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded}
+    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded, "read_whole": whole}
 
 
 def main(rank: int, world: int, port: int, cases: list[dict], result_dir: str) -> None:

@@ -167,6 +167,7 @@ def test_sharded_load_matches_one_rank_load(tmp_path):
     assert "error" not in results[-1], results[-1]["error"]
     for name, result in zip(LAYOUTS, results, strict=True):
         assert result["sharded_entries"] > 0, name  # the ranks really hold slices
+        assert result["read_whole"] == 0, name  # and read nothing but their slices
         assert result["max_logits_diff"] <= 1e-5, (name, result)
     print({name: r["max_logits_diff"] for name, r in zip(LAYOUTS, results, strict=True)})
 
