@@ -16,6 +16,9 @@ def titan_register_models(register):
             parallelize="titan_gpt2.parallelize:parallelize",
             validate="titan_gpt2.config:validate",
             flops="titan_gpt2.config:flops",
+            state_dict_adapter="titan_gpt2.hf:GPT2StateDictAdapter",  # to_hf/from_hf: GPT2LMHeadModel
+            config_from_hf="titan_gpt2.hf:config_from_hf",
+            config_to_hf="titan_gpt2.hf:config_to_hf",
             # Token and position embeddings both live on the first stage only.
             pipeline=PipelineInfo(
                 layers_attr="layers",
