@@ -217,3 +217,18 @@ def test_train_from_folder_then_export_loads_strictly(tmp_path):
     # the training moved the weights: the export is not the starting folder again
     start = transformers.AutoModelForCausalLM.from_pretrained(folder)
     assert not torch.equal(start.lm_head.weight, model.lm_head.weight)
+
+
+def test_titan_run_rejects_bad_folder_before_launch(tmp_path, capsys):
+    from titan_plugins.cli.run import main
+
+    folder, _ = hf_folder(tmp_path, "dense")
+    data = json.loads((folder / "config.json").read_text())
+    data["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}
+    (folder / "config.json").write_text(json.dumps(data))
+    capsys.readouterr()  # save_pretrained's progress bar
+    for path, why in ((tmp_path / "nowhere", "no such folder"),
+                      (folder, "config.json: rope_parameters.rope_type='yarn'")):
+        assert main(["model=qwen3", f"model.hf={path}", *SYNTH]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and why in err and err.startswith(f"error: model.hf={path}"), err
