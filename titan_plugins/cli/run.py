@@ -100,13 +100,15 @@ def _run_plan(spec: Any, job: Any, pm: Any) -> int:
 
 def _launch_job(spec: Any, job: Any, dims: Any, pm: Any, run_dir: Path) -> int:
     from titan_plugins.distributed.launcher import launch
+    from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config
+    from titan_plugins.train.worker import entry
 
     config_path = write_config(job, run_dir)
     if job.plan.enabled:
         return _run_plan(spec, job, pm)
-    (run_dir / "error.txt").unlink(missing_ok=True)
-    return launch(config_path, dims.world_size, error_file=run_dir / "error.txt")
+    clear_error_file(run_dir)
+    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE)
 
 
 def _torchrun_main(overrides: list[str], pm: Any) -> int:
@@ -132,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:
+        from titan_plugins.failures import INTERRUPTED
+
+        print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
         return 130
 
 

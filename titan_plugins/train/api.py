@@ -262,7 +262,7 @@ def run(
         raise ConfigError("plan=true is not supported by titan_plugins.train.api.run; use titan-run")
     nproc = dims.world_size
     proc_env = {**os.environ, **added}
-    cmd = [sys.executable, "-m", "titan_plugins.distributed.launcher", str(config_path), str(nproc)]
+    cmd = [sys.executable, "-m", "titan_plugins.train.worker", str(config_path), str(nproc)]
     proc = subprocess.Popen(
         cmd, env=proc_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )

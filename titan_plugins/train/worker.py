@@ -1,26 +1,28 @@
 """The entry point of one rank: read the resolved config with OmegaConf, load
 the plugins, train. Hydra never runs here.
 
-``entry`` is what the elastic launcher spawns: it records the first line of a
-user error (``TitanError``) or a crash's traceback in the elastic error file and
-exits quietly, so the launcher prints the first failing rank's error once.
+``entry`` is what the elastic launcher spawns: it records the failure
+(``titan_plugins.failures``: the first line of a user error, a crash's traceback)
+and exits quietly, so the launcher prints the first failing rank's error once.
+
+``python -m titan_plugins.train.worker CONFIG.yaml NPROC`` launches ``entry`` on
+NPROC local ranks (``titan_plugins.train.api.run`` uses it to enforce timeouts).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-__all__ = ["entry", "load_job", "run_rank"]
+from titan_plugins.failures import record_failure
+
+__all__ = ["entry", "load_job", "main", "record_failure", "run_rank"]
 
 
 def load_job(path: str | os.PathLike) -> DictConfig:
@@ -99,53 +101,6 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
         destroy_process_groups(synchronize=finished)
 
 
-_RECORDED = "_titan_recorded"
-
-
-def record_failure(exc: BaseException) -> None:
-    """Write ``exc`` once, atomically, to torch elastic's per-rank error file and to
-    titan's launcher's folder of records: a user error (``TitanError``) as its first
-    line, a crash with its traceback. A clean ``SystemExit`` is not a failure."""
-    from titan_plugins.distributed.launcher import FAILURE_DIR_ENV
-    from titan_plugins.errors import TitanError
-
-    if getattr(exc, _RECORDED, False) or (isinstance(exc, SystemExit) and not exc.code):
-        return
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    folder = os.environ.get(FAILURE_DIR_ENV)
-    rank = os.environ.get("RANK", "0")
-    targets = [t for t in (path, folder and os.path.join(folder, f"rank-{rank}.json")) if t]
-    if not targets:
-        return
-    user = isinstance(exc, TitanError)
-    first = (str(exc).strip().splitlines() or [""])[0]
-    callstack = "".join(traceback.format_exception(exc))
-    if user:
-        message = first or type(exc).__name__
-    else:
-        message = f"rank {rank} crashed: {type(exc).__name__}: {first}\n{callstack.rstrip()}"
-    data = {
-        "message": {
-            "message": message,
-            "extraInfo": {
-                "py_callstack": callstack,
-                "timestamp": str(int(time.time())),
-                "titan_time_ns": time.time_ns(),
-                "titan_user_error": user,
-            },
-        }
-    }
-    for target in targets:
-        # Atomic: the agent may kill this rank at any moment, then reads the file.
-        with open(f"{target}.tmp", "w") as f:
-            json.dump(data, f)
-        os.replace(f"{target}.tmp", target)
-    try:
-        setattr(exc, _RECORDED, True)
-    except AttributeError:  # an exception type with __slots__: recorded again, same content
-        pass
-
-
 def entry(config_path: str) -> None:
     """The spawned rank's function: train; on failure record the error and exit
     with 2 (user error) or 1 (crash) without printing a traceback of its own."""
@@ -158,4 +113,20 @@ def entry(config_path: str) -> None:
             raise
         record_failure(exc)  # a no-op when run_rank recorded it already
         sys.stdout.flush()
+        if isinstance(exc, KeyboardInterrupt):
+            raise SystemExit(130) from None
         raise SystemExit(exc.exit_code if isinstance(exc, TitanError) else 1) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``CONFIG.yaml NPROC``: launch ``entry`` on NPROC local ranks."""
+    from titan_plugins.distributed.launcher import launch
+    from titan_plugins.failures import ERROR_FILE
+
+    argv = sys.argv[1:] if argv is None else argv
+    config_path, nproc = argv[0], int(argv[1])
+    return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
