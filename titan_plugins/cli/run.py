@@ -111,13 +111,24 @@ def _launch_job(spec: Any, job: Any, dims: Any, pm: Any, run_dir: Path) -> int:
     return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE)
 
 
+def _torchrun_run_dir() -> str:
+    """The same directory on every rank of one job, another one for any other live job:
+    torchrun's run id (``none`` unless ``--rdzv-id`` is given) with the master's
+    address and port (which no two live jobs share), or the Slurm job id."""
+    env = os.environ
+    if env.get("SLURM_JOB_ID") and "TORCHELASTIC_RUN_ID" not in env:
+        return f"outputs/slurm-{env['SLURM_JOB_ID']}"
+    run_id = env.get("TORCHELASTIC_RUN_ID") or "job"
+    master = f"{env.get('MASTER_ADDR', 'localhost')}-{env.get('MASTER_PORT', '0')}"
+    return f"outputs/torchrun-{run_id}-{master}"
+
+
 def _torchrun_main(overrides: list[str], pm: Any) -> int:
     """Train as this process's rank (torchrun / Slurm started us)."""
     from titan_plugins.train.api import prepare_job, write_config
     from titan_plugins.train.worker import run_rank
 
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("SLURM_JOB_ID") or "job"
-    run_dir = Path(os.environ.get("TITAN_RUN_DIR", f"outputs/torchrun-{run_id}")).resolve()
+    run_dir = Path(os.environ.get("TITAN_RUN_DIR") or _torchrun_run_dir()).resolve()
     spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
     if job.plan.enabled:
         return _run_plan(spec, job, pm) if os.environ["RANK"] == "0" else 0
@@ -168,7 +179,20 @@ def _main(argv: list[str]) -> int:
             except TitanError as exc:
                 where = f" (job {' '.join(combo)})" if multirun and len(combos) > 1 else ""
                 raise type(exc)(f"{exc}{where}") from None
+        _check_run_dirs(argv, multirun)
     return _run_with_hydra(argv, pm, multirun)
+
+
+def _check_run_dirs(argv: list[str], multirun: bool) -> None:
+    """The run (or sweep) directory can be written, before Hydra or any rank starts."""
+    from titan_plugins.run_dir import check_writable
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith(f"{key}=")]
+    if given:
+        check_writable(given[-1], key)
+    else:  # the default: a new directory claimed under outputs/ (multirun/)
+        check_writable("multirun" if multirun else "outputs", key)
 
 
 def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
@@ -177,11 +201,13 @@ def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
     from hydra.core.hydra_config import HydraConfig
 
     from titan_plugins.config.hydra_glue import register_configs
+    from titan_plugins.run_dir import forget_claims
     from titan_plugins.train.api import finish_job
     from titan_plugins.train.sweep import FAILED_JOBS, write_result
 
     version.setbase("1.3")
     register_configs(pm)
+    forget_claims()  # this titan-run claims its own directories
     codes: list[int] = []
 
     def task(cfg: Any) -> int:

@@ -93,6 +93,9 @@ def _forget_group(cs: ConfigStore, group: str) -> None:
 
 def register_configs(pm: TitanPluginManager) -> None:
     """Fill Hydra's ConfigStore and search path from the plugin manager."""
+    from titan_plugins.run_dir import register_resolver
+
+    register_resolver()  # ${titan_claim:...}: the default run directories (train.yaml)
     cs = ConfigStore.instance()
     cs.store(name="train_schema", node=JobConfig, provider=CORE_PROVIDER)
     _forget_group(cs, "schema/model")

@@ -35,6 +35,7 @@ from titan_plugins.failures import (
     read_failure_records,
     write_error_file,
 )
+from titan_plugins.run_dir import hold
 
 __all__ = ["FAILURE_DIR_ENV", "free_port", "launch", "read_failure_records"]
 
@@ -62,9 +63,7 @@ def launch(
     error_file: str | os.PathLike | None = None,
 ) -> int:
     """Run ``entry(config_path)`` on ``nproc`` local ranks; returns the job's exit code."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.launcher.api import LaunchConfig
 
     _quiet_elastic()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
@@ -80,6 +79,15 @@ def launch(
         monitor_interval=0.1,
         start_method="spawn",
     )
+    with hold(Path(config_path).parent):  # no second live job in this run directory
+        return _launch(config, entry, config_path, error_file)
+
+
+def _launch(config, entry, config_path, error_file) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
     # Every rank also writes its failure here: torch's ChildFailedError lists only
     # the processes that had exited when the agent noticed the first failure.
     failure_dir = tempfile.mkdtemp(prefix="titan-failures-")

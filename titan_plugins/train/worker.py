@@ -124,8 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     from titan_plugins.failures import ERROR_FILE
 
     argv = sys.argv[1:] if argv is None else argv
+    from titan_plugins.errors import TitanError
+
     config_path, nproc = argv[0], int(argv[1])
-    return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE)
+    try:
+        return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE)
+    except TitanError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":
