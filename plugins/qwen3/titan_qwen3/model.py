@@ -127,7 +127,7 @@ class Attention(nn.Module):
         self.inner_attention = AttentionKernel(c.attn_backend, c.head_dim**-0.5, c.n_heads > c.n_kv_heads)
         self.compute_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT, cache=None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         dtype = self.compute_dtype
         # -1 heads: under TP the projections are sharded and infer their local count.
@@ -137,7 +137,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             xq, xk = self.q_norm(xq), self.k_norm(xk)
         xq, xk = apply_rotary(xq, xk, rope)
-        out = self.inner_attention(xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2), mask)
+        xq, xk, xv = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
+        if cache is not None:  # decoding: attend to the cached positions too
+            xk, xv = cache.update(xk, xv)
+        out = self.inner_attention(xq, xk, xv, mask)
         out = out.transpose(1, 2).contiguous().view(bs, seqlen, -1)
         return linear(out, self.wo, dtype)
 
@@ -166,8 +169,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if c.depth_init else c.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask, cache)
         mlp = self.moe if self.moe_enabled else self.feed_forward
         return x + mlp(self.ffn_norm(x))
 
@@ -256,9 +259,12 @@ class Qwen3Model(nn.Module):
         return build(doc_ids, doc_ids.shape[1], None, doc_ids.device)
 
     # -------------------------------------------------------------- forward
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Token ids (first stage) or hidden states; ``doc_ids`` only on later pipeline
-        stages under ``block_causal`` (the first stage derives them from the ids)."""
+        stages under ``block_causal`` (the first stage derives them from the ids).
+        ``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""
+        if cache is not None:
+            return self._decode(tokens, cache)
         if self.tok_embeddings is not None:
             if doc_ids is None:
                 doc_ids = self.stage_inputs(tokens).get("doc_ids")
@@ -276,6 +282,19 @@ class Qwen3Model(nn.Module):
                 h = h.to(self.output.weight.dtype)
             h = self.output(h)
         return h
+
+
+    def _decode(self, tokens: torch.Tensor, cache) -> torch.Tensor:
+        """The new tokens at positions ``cache.pos..``, attending to the cache."""
+        h = self.tok_embeddings(tokens)
+        rope = self.rope_cache[cache.pos :]
+        mask = cache.attention_mask(tokens.shape[1], tokens.device)
+        for name, layer in self.layers.items():
+            h = layer(h, rope, mask, cache.layer(name))
+        h = self.norm(h)
+        if self.compute_dtype is not None:
+            h = h.to(self.output.weight.dtype)
+        return self.output(h)
 
 
 def build(config: Qwen3Config) -> Qwen3Model:
