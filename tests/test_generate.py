@@ -11,28 +11,38 @@ from titan_plugins.generate import SamplingConfig, generate, sample_next
 from titan_plugins.testing.generation import check_kv_cache
 
 
-def _tiny(name: str):
+def _tiny(name: str, **overrides):
     torch.manual_seed(0)
     if name == "qwen3":
         from titan_qwen3.config import FLAVORS
         from titan_qwen3.model import build
-        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2)
+        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, **overrides)
     elif name == "llama4":
         from titan_llama4.config import FLAVORS
         from titan_llama4.model import build
-        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2)
+        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, **overrides)
     else:
         from titan_deepseek_v3.config import FLAVORS
         from titan_deepseek_v3.model import build
-        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2)
+        cfg = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, **overrides)
     model = build(cfg)
     model.init_weights()
     return model, cfg.vocab_size
 
 
-@pytest.mark.parametrize("name", ["qwen3"])
-def test_kv_cache_matches_recompute(name):
-    model, vocab = _tiny(name)
+CASES = {
+    "qwen3": ("qwen3", {}),
+    "llama4": ("llama4", {}),
+    # iRoPE: layer 0 NoPE full causal, layer 1 chunked local attention crossing chunks.
+    "llama4_irope": ("llama4", {"every_n_layers_nope": 2, "fixed_attn_block_size": 8}),
+    "deepseek_v3": ("deepseek_v3", {}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_kv_cache_matches_recompute(case):
+    name, overrides = CASES[case]
+    model, vocab = _tiny(name, **overrides)
     tokens = check_kv_cache(model, vocab, new_tokens=12)
     assert tokens.shape == (2, 12)
     # Not a degenerate sequence: the check would pass trivially on a constant output.

@@ -15,7 +15,8 @@ import torch
 class LayerCache:
     """One attention layer's cached keys and values."""
 
-    def __init__(self) -> None:
+    def __init__(self, parent: KVCache) -> None:
+        self.parent = parent
         self.k: torch.Tensor | None = None
         self.v: torch.Tensor | None = None
 
@@ -28,6 +29,9 @@ class LayerCache:
             self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
+    def attention_mask(self, seqlen: int, device: torch.device, chunk: int | None = None) -> torch.Tensor | None:
+        return self.parent.attention_mask(seqlen, device, chunk)
+
 
 class KVCache:
     """Per-layer caches plus the number of positions already processed."""
@@ -38,18 +42,22 @@ class KVCache:
 
     def layer(self, name: str) -> LayerCache:
         if name not in self._layers:
-            self._layers[name] = LayerCache()
+            self._layers[name] = LayerCache(self)
         return self._layers[name]
 
     def advance(self, n: int) -> None:
         self.pos += n
 
-    def attention_mask(self, seqlen: int, device: torch.device) -> torch.Tensor | None:
+    def attention_mask(self, seqlen: int, device: torch.device, chunk: int | None = None) -> torch.Tensor | None:
         """``None`` (plain causal) when nothing is cached yet, else a boolean
         ``[1, 1, seqlen, pos + seqlen]`` mask: new token i sees cached positions and
-        new tokens up to itself."""
-        if self.pos == 0:
+        new tokens up to itself (within its ``chunk`` of positions when given, for
+        chunked local attention)."""
+        if self.pos == 0 and (chunk is None or chunk >= seqlen):
             return None
         q = torch.arange(seqlen, device=device).unsqueeze(1) + self.pos
         kv = torch.arange(self.pos + seqlen, device=device).unsqueeze(0)
-        return (kv <= q).view(1, 1, seqlen, self.pos + seqlen)
+        mask = kv <= q
+        if chunk is not None:
+            mask = mask & (kv // chunk == q // chunk)
+        return mask.view(1, 1, seqlen, self.pos + seqlen)

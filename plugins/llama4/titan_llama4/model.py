@@ -94,12 +94,17 @@ class InnerAttention(nn.Module):
         self.chunk_size = chunk_size
         self.backend = backend
 
-    def forward(self, q, k, v, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         if self.use_rope:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         seq = q.shape[2]
+        if cache is not None:  # decoding: the cached positions too, chunked mask by position
+            k, v = cache.update(k, v)
+            mask = cache.attention_mask(seq, q.device, self.chunk_size)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+            return out.transpose(1, 2)
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq else None
         if chunk is None and doc is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
@@ -129,14 +134,14 @@ class Attention(nn.Module):
         )
         self.compute_dtype: torch.dtype | None = None
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         bs, seq, _ = x.shape
         dt = self.compute_dtype
         # -1: the local head count under TP (or the global one on a DTensor).
         q = linear(x, self.wq, dt).view(bs, seq, -1, self.head_dim)
         k = linear(x, self.wk, dt).view(bs, seq, -1, self.head_dim)
         v = linear(x, self.wv, dt).view(bs, seq, -1, self.head_dim)
-        out = self.inner_attention(q, k, v, freqs_cis, doc)
+        out = self.inner_attention(q, k, v, freqs_cis, doc, cache)
         return linear(out.reshape(bs, seq, -1), self.wo, dt)
 
     def init_weights(self, init_std: float) -> None:
@@ -173,8 +178,8 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if config.depth_init else config.n_layers
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None) -> torch.Tensor:
-        h = x + _like(self.attention(self.attention_norm(x), freqs_cis, doc), x)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        h = x + _like(self.attention(self.attention_norm(x), freqs_cis, doc, cache), x)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + _like(ffn(self.ffn_norm(h)), h)
 
@@ -241,9 +246,15 @@ class Llama4(nn.Module):
             return {}
         return {"doc_ids": document_ids(tokens, self.config.eos_id)}
 
-    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """Token ids (first stage) or hidden states; ``doc_ids`` only on later pipeline
-        stages under ``block_causal`` (the first stage derives them from the ids)."""
+        stages under ``block_causal`` (the first stage derives them from the ids).
+        ``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""
+        if cache is not None:
+            h = self.tok_embeddings(tokens)
+            for name, layer in self.layers.items():
+                h = layer(h, self.freqs_cis[cache.pos :], None, cache.layer(name))
+            return linear(cast(self.norm(h), self.compute_dtype), self.output, self.compute_dtype)
         seq = tokens.shape[1]
         if seq > self.freqs_cis.shape[0]:
             raise ValueError(
