@@ -1,8 +1,12 @@
 """Checkpoints with ``torch.distributed.checkpoint`` (DCP).
 
-Layout: ``<folder>/step-<N>/`` per checkpoint. A save goes to ``step-<N>.tmp`` and
-is renamed once every rank has finished, so a crash during a save leaves the
-previous checkpoint as the newest loadable one. Keys are the models' own FQNs
+Layout: ``<folder>/step-<N>/`` per checkpoint. A save goes to ``step-<N>.tmp``; once
+every rank has written, rank 0 writes ``manifest.json`` (every file and its size)
+last, checks the files against it and renames the folder, so a crash during a save
+leaves the previous checkpoint as the newest loadable one. A full disk ends the run
+with one line, the partial save removed. On resume each candidate, newest first, is
+checked against its manifest (and must load); a damaged one is skipped with a
+one-line warning, and none usable is one error line. Keys are the models' own FQNs
 (``torch.distributed.checkpoint.state_dict`` strips wrapper prefixes), so a
 checkpoint loads under any other parallelism; non-persistent buffers are never in it.
 
@@ -12,6 +16,8 @@ Contents: ``model``, ``optimizer`` (flattened FQN keys), ``lr_scheduler``,
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -29,11 +35,85 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_plugins.errors import ConfigError
+from titan_plugins.errors import ConfigError, TitanError
 
-__all__ = ["Checkpointer", "full_model_state_dict", "load_model_weights", "save_model_weights"]
+__all__ = [
+    "CheckpointError",
+    "Checkpointer",
+    "MANIFEST",
+    "full_model_state_dict",
+    "load_model_weights",
+    "save_model_weights",
+    "verify_checkpoint",
+    "write_manifest",
+]
 
+MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+class CheckpointError(TitanError):
+    """A checkpoint could not be written or none could be read (one line, exit 2)."""
+
+
+def _is_enospc(exc: BaseException) -> bool:
+    """ENOSPC anywhere in ``exc``: its cause/context chain or DCP's per-rank failures."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop()
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            return True
+        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
+        failures = getattr(e, "failures", None)  # CheckpointException: rank -> exception (or traceback wrapper)
+        if isinstance(failures, dict):
+            for f in failures.values():
+                inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)
+                if isinstance(inner, BaseException):
+                    todo.append(inner)
+                elif "No space left on device" in str(f):
+                    return True
+        if "No space left on device" in str(e) or "[Errno 28]" in str(e):
+            return True
+    return False
+
+
+def write_manifest(path: Path) -> dict[str, int]:
+    """Record every file of the checkpoint folder ``path`` with its size, atomically,
+    as the last file written; returns the files."""
+    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
+             if p.is_file() and p.name != MANIFEST}
+    tmp = path / f".{MANIFEST}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / MANIFEST)
+    return files
+
+
+def verify_checkpoint(path: Path) -> str | None:
+    """``None`` when ``path`` holds every file its manifest lists at its size, else
+    what is wrong (one phrase)."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:  # saved before manifests: complete if renamed (loading checks the rest)
+        return None if (path / ".metadata").is_file() else "no .metadata and no manifest.json"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "manifest.json is damaged"
+    if ".metadata" not in files:
+        return "the manifest lists no .metadata"
+    for name, size in files.items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} of {size} bytes"
+    return None
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -84,6 +164,7 @@ def save_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=str(tmp))
     _barrier()
     if _rank() == 0:
+        write_manifest(tmp)
         if path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)
@@ -174,8 +255,24 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
         _barrier()
-        dcp.save(self._state(step), checkpoint_id=str(tmp))
-        _barrier()  # every rank has written its shard
+        try:
+            dcp.save(self._state(step), checkpoint_id=str(tmp))
+            _barrier()  # every rank has written its shard
+            problem = [None]
+            if _rank() == 0:
+                write_manifest(tmp)  # last: the record of what a complete save holds
+                problem = [verify_checkpoint(tmp)]
+            if dist.is_available() and dist.is_initialized():
+                dist.broadcast_object_list(problem, src=0)
+            problem = problem[0]
+        except Exception as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # the partial save (DCP fails on every rank alike)
+            if _is_enospc(exc):
+                raise CheckpointError(f"no space left writing checkpoint step-{step} to {self.folder}") from None
+            raise
+        if problem is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(f"checkpoint step-{step} in {self.folder} failed its check after writing: {problem}")
         if _rank() == 0:
             if final.exists():
                 shutil.rmtree(final)
@@ -200,9 +297,23 @@ class Checkpointer:
         found = self.checkpoints()
         if not found:
             return 0
-        step, path = found[-1]
-        self.load(path)
-        return step
+        skipped: list[str] = []
+        for step, path in reversed(found):
+            problem = verify_checkpoint(path)
+            if problem is None:
+                try:
+                    self.load(path)
+                except Exception as exc:  # noqa: BLE001 - a damaged file the sizes did not show
+                    problem = f"does not load ({type(exc).__name__})"
+            if problem is None:
+                if _rank() == 0:
+                    if skipped:
+                        print(f"warning: skipped damaged checkpoint {'; '.join(skipped)}", flush=True)
+                    print(f"resumed from checkpoint {path} (step {step})", flush=True)
+                return step
+            skipped.append(f"{path.name}: {problem}")
+        raise CheckpointError(f"no usable checkpoint in {self.folder} ({'; '.join(skipped)}); "
+                              "move them away or set checkpoint.resume=false")
 
     def load(self, path: Path) -> None:
         keys = _checkpoint_keys(path)
