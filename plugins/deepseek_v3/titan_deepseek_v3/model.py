@@ -93,8 +93,8 @@ class SDPA(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
 
 
 class Attention(nn.Module):
@@ -130,7 +130,7 @@ class Attention(nn.Module):
         self.wo = Linear(att.n_heads * att.v_head_dim, dim, bias=False)
         self.inner_attention = SDPA(config.softmax_scale)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache=None) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         if self.q_lora_rank == 0:
             q = self.wq(x)
@@ -149,7 +149,12 @@ class Attention(nn.Module):
         k_nope, v = torch.split(kv, [self.qk_nope_head_dim, self.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
 
-        out = self.inner_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if cache is None:
+            out = self.inner_attention(q, k, v)
+        else:  # decoding: cache the expanded per-head k and v (each new token costs one position)
+            k, v = cache.update(k, v)
+            out = self.inner_attention(q, k, v, cache.attention_mask(seqlen, q.device))
         out = out.transpose(1, 2).reshape(bsz, seqlen, -1)
         return self.wo(out)
 
@@ -180,8 +185,8 @@ class TransformerBlock(nn.Module):
         # Deeper blocks start smaller (TorchTitan's depth-scaled init).
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache=None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), freqs_cis, cache)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 
@@ -227,11 +232,13 @@ class DeepSeekV3Model(nn.Module):
             if hasattr(module, "compute_dtype"):
                 module.compute_dtype = dtype
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
+        """``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""
         dt = self.compute_dtype
         h = cast(self.tok_embeddings(tokens), dt) if self.tok_embeddings is not None else cast(tokens, dt)
-        for layer in self.layers.values():
-            h = layer(h, self.freqs_cis)
+        freqs_cis = self.freqs_cis if cache is None else self.freqs_cis[cache.pos :]
+        for name, layer in self.layers.items():
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(name))
         if self.norm is not None:
             h = self.norm(h)
         if self.lm_head is not None:
