@@ -9,6 +9,11 @@ cache through ``cache.layer(name).update(k, v)``; the caller advances ``cache.po
 """
 
 from titan_plugins.generate.kv_cache import KVCache, LayerCache
-from titan_plugins.generate.sampling import SamplingConfig, generate, sample_next
+from titan_plugins.generate.sampling import (
+    SamplingConfig,
+    generate,
+    sample_next,
+    supports_generation,
+)
 
-__all__ = ["KVCache", "LayerCache", "SamplingConfig", "generate", "sample_next"]
+__all__ = ["KVCache", "LayerCache", "SamplingConfig", "generate", "sample_next", "supports_generation"]

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from titan_plugins.generate.kv_cache import KVCache
+
+
+def supports_generation(model: nn.Module) -> bool:
+    """A model declares generation support by accepting ``cache=`` in ``forward``."""
+    return "cache" in inspect.signature(model.forward).parameters
 
 
 @dataclass

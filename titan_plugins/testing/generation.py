@@ -8,17 +8,12 @@ fails naming the first step where the tokens differ.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
-from titan_plugins.generate import SamplingConfig, generate
+from titan_plugins.generate import SamplingConfig, generate, supports_generation
 
-
-def supports_generation(model: nn.Module) -> bool:
-    """True when ``model.forward`` takes a ``cache`` argument."""
-    return "cache" in inspect.signature(model.forward).parameters
+__all__ = ["check_kv_cache", "supports_generation"]
 
 
 def check_kv_cache(model: nn.Module, vocab_size: int, *, prompt_len: int = 6, new_tokens: int = 10,

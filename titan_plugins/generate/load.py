@@ -1,0 +1,69 @@
+"""A model ready to sample from: a run's DCP checkpoint or a Hugging Face folder,
+built in this process on one device (no process group)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import OmegaConf
+
+from titan_plugins.errors import ConfigError
+from titan_plugins.generate.sampling import supports_generation
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: Any
+    job: Any
+    source: Path
+
+
+def _materialize(spec: Any, job: Any, device: torch.device) -> torch.nn.Module:
+    from titan_plugins.train.lifecycle import build_meta_model
+
+    model = build_meta_model(spec, job)
+    if not supports_generation(model):
+        raise ConfigError(
+            f"model={spec.name}: its forward takes no cache= (the plugin does not support generation)"
+        )
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    return model
+
+
+def load_checkpoint(path: str | Path, device: torch.device, pm: Any | None = None) -> Loaded:
+    """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir."""
+    from titan_plugins.hf.export import find_checkpoint
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import typed_job
+    from titan_plugins.train.checkpoint import load_model_weights
+    from titan_plugins.train.data.tokenizer import build_tokenizer
+
+    run_dir, checkpoint = find_checkpoint(path)
+    job = typed_job(OmegaConf.load(run_dir / "config.yaml"))
+    pm = pm or get_plugin_manager()
+    spec = pm.get_model(job.model.name)
+    model = _materialize(spec, job, device)
+    load_model_weights([model], checkpoint)
+    return Loaded(model, build_tokenizer(job.data), job, checkpoint)
+
+
+def load_hf(folder: str | Path, model_name: str, device: torch.device, pm: Any | None = None) -> Loaded:
+    """A Hugging Face folder through the plugin's config mapping and adapter (``model.hf``)."""
+    from titan_plugins.config.hydra_glue import compose, model_config, resolve_job
+    from titan_plugins.hf.load import load_hf_weights
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import typed_job
+    from titan_plugins.train.data.tokenizer import build_tokenizer
+
+    pm = pm or get_plugin_manager()
+    spec, job = resolve_job(compose([f"model={model_name}", f"model.hf={folder}"], pm), pm)
+    job = typed_job(job)
+    model = _materialize(spec, job, device)
+    load_hf_weights([model], spec, model_config(job.model, spec), folder)
+    return Loaded(model, build_tokenizer(job.data), job, Path(folder))
