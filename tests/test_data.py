@@ -111,7 +111,7 @@ def test_bad_tokenizer_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="data.tokenizer=.*does not exist"):
         build_tokenizer(DataConfig(tokenizer=str(tmp_path / "nope.json")))
     (tmp_path / "hf.json").write_text(json.dumps({"model": {"type": "BPE"}}))
-    with pytest.raises(ConfigError, match="not a titan-byte-bpe tokenizer"):
+    with pytest.raises(ConfigError, match="not a Hugging Face tokenizer.json"):
         build_tokenizer(DataConfig(tokenizer=str(tmp_path / "hf.json")))
 
 

@@ -36,12 +36,12 @@ CORPUS_TOKENS = ASSETS / "corpus_tokens.npz"  # the corpus encoded with the ship
 def encode_documents(docs: Iterable[str], tokenizer: Tokenizer) -> np.ndarray:
     """Concatenate ``BOS doc EOS`` for every document into one token array."""
     ids: list[int] = []
-    for doc in docs:
-        if tokenizer.bos_id >= 0:
-            ids.append(tokenizer.bos_id)
-        ids.extend(tokenizer.encode(doc))
-        if tokenizer.eos_id >= 0:
-            ids.append(tokenizer.eos_id)
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+    for doc in tokenizer.encode_batch(list(docs)):  # in Rust, in parallel
+        ids.extend(bos)
+        ids.extend(doc)
+        ids.extend(eos)
     return np.asarray(ids, dtype=np.uint16 if tokenizer.vocab_size <= 2**16 else np.int32)
 
 

@@ -5,7 +5,8 @@
 
 ``DATA`` is a ``.txt`` file, a ``.jsonl`` file (text in ``--text-field``) or a
 directory of either. The result has the shipped tokenizer's format and special
-tokens (``<|bos|>``, ``<|eos|>`` last), so any first-party model whose
+tokens (``<|bos|>``, ``<|eos|>`` last; a Hugging Face tokenizer.json made with the
+``tokenizers`` trainer), so any first-party model whose
 ``vocab_size`` is at least ``--vocab-size`` trains on it.
 """
 
