@@ -119,7 +119,7 @@ def first_failure(exc: Any, records: dict[int, dict] | None = None) -> tuple[int
     def order(candidate):
         rank, data, failure = candidate
         t_ns = _info(data).get("titan_time_ns")
-        if failure is not None and failure.exitcode < 0 and t_ns is None:
+        if failure is not None and failure.exitcode < 0 and t_ns is None:  # killed, no record
             return (0, failure.timestamp, rank)
         if t_ns is not None:
             return (1, t_ns, rank)
@@ -133,7 +133,7 @@ def first_failure(exc: Any, records: dict[int, dict] | None = None) -> tuple[int
     code = failure.exitcode if failure is not None and failure.exitcode > 0 else (2 if user else 1)
     if text == INTERRUPTED:
         code = 130
-    if not text or text.startswith("To enable traceback"):
+    if not text or text == "<NONE>" or text.startswith("To enable traceback"):  # torch wrote no record
         text = f"rank {rank} exited with code {code}"
         if failure is not None and failure.exitcode < 0:
             text = f"rank {rank} was killed by signal {failure.signal_name()}"

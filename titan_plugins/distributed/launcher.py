@@ -51,7 +51,10 @@ def free_port() -> int:
 
 
 def _quiet_elastic() -> None:
-    for name in _NOISY:
+    # Elastic's module loggers set their own level (LOGLEVEL, default WARNING), so the
+    # parents' level is not enough: quiet every one that exists.
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(_NOISY)]
+    for name in (*_NOISY, *names):
         logging.getLogger(name).setLevel(logging.CRITICAL)
 
 

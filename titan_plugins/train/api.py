@@ -90,6 +90,9 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: Any) -> Any:
         if int(training[key]) < 1:
             raise ConfigError(f"training.{key}={training[key]} must be at least 1")
     config = model_config(job.model, spec)
+    from titan_plugins.train.prelaunch import check_job
+
+    check_job(job, config)  # optimizer ranges, seq_len vs the model, the data source
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)

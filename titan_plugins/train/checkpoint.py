@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -265,7 +266,7 @@ class Checkpointer:
             if dist.is_available() and dist.is_initialized():
                 dist.broadcast_object_list(problem, src=0)
             problem = problem[0]
-        except Exception as exc:
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             shutil.rmtree(tmp, ignore_errors=True)  # the partial save (DCP fails on every rank alike)
             if _is_enospc(exc):
                 raise CheckpointError(f"no space left writing checkpoint step-{step} to {self.folder}") from None
@@ -303,7 +304,7 @@ class Checkpointer:
             if problem is None:
                 try:
                     self.load(path)
-                except Exception as exc:  # noqa: BLE001 - a damaged file the sizes did not show
+                except (Exception, CheckpointException) as exc:  # noqa: BLE001 - damage the sizes did not show
                     problem = f"does not load ({type(exc).__name__})"
             if problem is None:
                 if _rank() == 0:

@@ -1,0 +1,137 @@
+"""Faults injected for real into one small 2-rank job (tiny model, fsdp2, 6 steps,
+a checkpoint every 2 steps), in this order:
+
+A  the reference run (checkpoints step-2, -4, -6);
+B  a run parked after step 3 whose rank 1 gets SIGKILL: one line naming it, exit 137;
+D  the next run in B's folder resumes from step-2 and hits a full disk (a tmpfs of
+   1.5 checkpoints) saving step-4: one line, the partial save gone, step-2 intact;
+C  the next run finds step-6 (truncated .metadata) and step-4 (truncated and missing
+   shards) next to step-2: one warning naming both, resumes from step-2, trains
+   bit for bit like A, and a Ctrl-C to its process group ends it with exit 130.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.train.api import _patched_env, prepare_job, rank_env, read_result, write_config
+
+pytestmark = pytest.mark.slow
+BASE = ["model=tiny", "training.seq_len=32", "metrics.tensorboard=false", "metrics.console=false",
+        "parallelism=fsdp2", "training.steps=6", "checkpoint=periodic", "checkpoint.interval=2",
+        "checkpoint.keep_last=3"]
+EXTRA = ["tiny_plugin", "fault_plugin"]
+TIMEOUT = 240
+
+
+def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    added = rank_env(EXTRA, env)
+    with _patched_env(added):
+        pm = get_plugin_manager(strict=True)
+        _, job, dims = prepare_job([*BASE, *overrides], pm, run_dir=run_dir)
+    config = write_config(job, run_dir)
+    return subprocess.Popen(
+        [sys.executable, "-m", "titan_plugins.train.worker", str(config), str(dims.world_size)],
+        env={**os.environ, **added}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    return proc.returncode, out, err
+
+
+def _rank_pid(run_dir: Path, rank: int) -> int:
+    return int((run_dir / f"parked-{rank}").read_text())  # written by fault_plugin
+
+
+def _wait_parked(run_dir: Path, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + TIMEOUT
+    while not all((run_dir / f"parked-{r}").exists() for r in (0, 1)):
+        assert proc.poll() is None, _finish(proc)[2][-3000:]
+        assert time.monotonic() < deadline, "the ranks never parked"
+        time.sleep(0.1)
+
+
+def _error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A 4 MiB-granular tmpfs (root only), or None."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    yield mnt
+    subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
+    ref_dir = tmp_path / "ref"
+    code, _, err = _finish(_start(ref_dir))
+    assert code == 0, err[-3000:]
+    ref = read_result(ref_dir).losses
+    step2 = ref_dir / "checkpoints" / "step-2"
+    size = sum(p.stat().st_size for p in step2.iterdir())
+    kib = (size * 3 // 2) // 1024 + 1
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={kib}k", "tmpfs", str(tmpfs)],
+                             capture_output=True).returncode == 0
+    folder = (tmpfs if mounted else tmp_path / "disk") / "ckpt"
+    run_dir = tmp_path / "job"
+    over = f"checkpoint.folder={folder}"
+
+    # B: SIGKILL rank 1 while both ranks are parked after step 3 (step-2 saved).
+    proc = _start(run_dir, over, env={"TITAN_TEST_PARK_AFTER": "3"})
+    _wait_parked(run_dir, proc)
+    t0 = time.monotonic()
+    os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
+    code, _, err = _finish(proc)
+    took = time.monotonic() - t0
+    assert _error_lines(err) == ["rank 1 was killed by signal SIGKILL"], err[-3000:]
+    assert code == 137 and took < 15, (code, took)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+
+    if mounted:
+        # D: resumes from step-2, trains 3-4 like A, the disk fills saving step-4.
+        for p in run_dir.glob("parked-*"):
+            p.unlink()
+        code, out, err = _finish(_start(run_dir, over))
+        assert f"resumed from checkpoint {folder / 'step-2'} (step 2)" in out
+        assert _error_lines(err) == [f"error: no space left writing checkpoint step-4 to {folder}"], err[-3000:]
+        assert code == 2
+        assert sorted(p.name for p in folder.iterdir()) == ["step-2"]  # the partial save removed
+        assert read_result(run_dir).losses[2:4] == ref[2:4]
+
+    # C: damaged newer checkpoints next to step-2 (their real files truncated or gone).
+    step6, step4 = folder / "step-6", folder / "step-4"
+    for damaged in (step6, step4):
+        damaged.mkdir()
+        shutil.copy(folder / "step-2" / "manifest.json", damaged)
+    meta = (folder / "step-2" / ".metadata").read_bytes()
+    (step6 / ".metadata").write_bytes(meta[: len(meta) // 2])
+    shutil.copy(folder / "step-2" / ".metadata", step4)
+    (step4 / "__0_0.distcp").write_bytes((folder / "step-2" / "__0_0.distcp").read_bytes()[:1000])
+    proc = _start(run_dir, over, "checkpoint.interval=100", "checkpoint.save_final=false",
+                  env={"TITAN_TEST_PARK_AFTER": "6"})
+    _wait_parked(run_dir, proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+    code, out, err = _finish(proc)
+    warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "step-6: .metadata has" in warnings[0] and "step-4: __0_0.distcp has 1000 of" in warnings[0]
+    assert f"resumed from checkpoint {folder / 'step-2'} (step 2)" in out
+    assert _error_lines(err) == ["error: interrupted (Ctrl-C)"], err[-3000:]
+    assert code == 130
+    assert read_result(run_dir).losses == ref  # steps 3-6 bit for bit (the last record of a step wins)
