@@ -27,7 +27,7 @@ def test_gpt2_folder_round_trip(tmp_path):
             p.normal_(0.0, 0.2)
     ref.save_pretrained(tmp_path / "hf")
     pm = get_plugin_manager()
-    synth = ["data.name=synthetic", "data.vocab_size=80"]
+    synth = ["data.name=synthetic", "data.vocab_size=80", "training.seq_len=16"]
     spec, job, _ = prepare_job(["model=gpt2", f"model.hf={tmp_path / 'hf'}", *synth], pm)
     cfg = model_config(job.model, spec)
     assert (cfg.dim, cfg.n_layers, cfg.vocab_size) == (32, 2, 80)

@@ -52,7 +52,7 @@ def hf_folder(tmp_path, kind: str, **extra):
 
 def load_ours(folder, *overrides):
     pm = get_plugin_manager()
-    spec, job, _ = prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, *overrides], pm)
+    spec, job, _ = prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, "training.seq_len=16", *overrides], pm)
     cfg = model_config(job.model, spec)
     model = spec.load("build")(cfg)
     with torch.no_grad():
@@ -129,7 +129,7 @@ def test_unhonourable_field_is_one_error(tmp_path, field, value):
     data[field] = value
     (folder / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError) as err:
-        prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH], get_plugin_manager())
+        prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, "training.seq_len=16"], get_plugin_manager())
     msg = str(err.value)
     assert "\n" not in msg and f"config.json: {field}=" in msg and "model.hf=" in msg
 
@@ -183,9 +183,10 @@ def test_train_from_folder_then_export_loads_strictly(tmp_path):
     from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     folder, _ = hf_folder(tmp_path, "dense")
+    (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())  # a real one this time
     run_dir = tmp_path / "run"
-    result = run(  # the shipped tokenizer, named explicitly: the folder's is a stub
-        ["model=qwen3", f"model.hf={folder}", *SYNTH, f"data.tokenizer={DEFAULT_TOKENIZER}",
+    result = run(  # no data.tokenizer: the folder's is the default
+        ["model=qwen3", f"model.hf={folder}", *SYNTH,
          "parallelism=fsdp2", "training.steps=3",
          "training.seq_len=16", "training.local_batch_size=2", "checkpoint.enabled=true",
          "checkpoint.export_hf=true", "training.dump_final_params=true", "metrics.tensorboard=false",
@@ -197,7 +198,8 @@ def test_train_from_folder_then_export_loads_strictly(tmp_path):
     index = json.loads((tmp_path / "exported" / "model.safetensors.index.json").read_text())
     assert index["weight_map"]
     exported_tok = (tmp_path / "exported" / "tokenizer.json").read_bytes()
-    assert exported_tok == DEFAULT_TOKENIZER.read_bytes()  # the tokenizer the run used
+    assert exported_tok == DEFAULT_TOKENIZER.read_bytes()  # the tokenizer the run used (the folder's)
+    assert "tokenizer: " + str(folder) in (run_dir / "config.yaml").read_text()
 
     trained_sd = torch.load(run_dir / "final_params.pt")
     _, cfg, _, _ = load_ours(folder)
@@ -229,6 +231,6 @@ def test_titan_run_rejects_bad_folder_before_launch(tmp_path, capsys):
     capsys.readouterr()  # save_pretrained's progress bar
     for path, why in ((tmp_path / "nowhere", "no such folder"),
                       (folder, "config.json: rope_parameters.rope_type='yarn'")):
-        assert main(["model=qwen3", f"model.hf={path}", *SYNTH]) == 2
+        assert main(["model=qwen3", f"model.hf={path}", *SYNTH, "training.seq_len=16"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and why in err and err.startswith(f"error: model.hf={path}"), err
