@@ -102,12 +102,15 @@ class TrainingConfig:
 
 @dataclass
 class DataConfig:
-    name: str = "builtin"  # a registered dataset: builtin, synthetic, text, jsonl, hf
+    name: str = "builtin"  # a registered dataset: builtin, synthetic, text, jsonl, parquet, hf, mix
     path: str | None = None  # file, directory or local dataset for text/jsonl/hf
     text_field: str = "text"
     split: str = "train"
     tokenizer: str | None = None  # a tokenizer.json; default: the shipped one
     vocab_size: int | None = None  # synthetic data only: default the tokenizer's
+    num_workers: int = 1  # loader worker processes per rank (streaming sources); 0: in the rank
+    prefetch_factor: int = 2  # batches each worker prepares ahead
+    mix: list[Any] = field(default_factory=list)  # data.name=mix: [{name, path, weight}, ...]
 
 
 @dataclass

@@ -38,6 +38,16 @@ DATASETS = (
         build=f"{_SOURCES}:build_hf",
         description="a local Hugging Face dataset (data.path, data.split), offline",
     ),
+    DatasetSpec(
+        name="parquet",
+        build=f"{_SOURCES}:build_parquet",
+        description="local Parquet (data.path), text in data.text_field (the parquet extra)",
+    ),
+    DatasetSpec(
+        name="mix",
+        build=f"{_SOURCES}:build_mix",
+        description="data.mix: several text/jsonl/parquet/hf sources mixed by weight",
+    ),
 )
 
 

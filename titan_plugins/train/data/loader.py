@@ -92,4 +92,13 @@ def build_dataloader(
     dataset = build(
         data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed
     )
+    if isinstance(dataset, torch.utils.data.IterableDataset):  # streaming: torchdata workers
+        from titan_plugins.train.data.stream import StreamingLoader
+
+        workers = int(getattr(data_config, "num_workers", 0) or 0)
+        prefetch = int(getattr(data_config, "prefetch_factor", 2) or 2)
+        if workers < 0 or prefetch < 1:
+            raise ConfigError(f"data.num_workers={workers} must be >= 0 and data.prefetch_factor={prefetch} >= 1")
+        return StreamingLoader(dataset, local_batch_size=local_batch_size, seq_len=seq_len,
+                               num_workers=workers, prefetch_factor=prefetch, name=spec.name)
     return DataLoader(dataset, local_batch_size=local_batch_size, seq_len=seq_len, name=spec.name)

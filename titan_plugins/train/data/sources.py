@@ -207,40 +207,52 @@ def build_builtin(
 
 def build_text(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
-) -> PackedTokenDataset:
-    """A ``.txt`` file, or every ``.txt`` file under a directory (one document each)."""
-    files = find_files(data_config.path, (".txt",), "text")
-    tokens = cached_tokens(_files_key(files, "text"), lambda: read_text(files), tokenizer)
-    return PackedTokenDataset(
-        tokens, source=f"data.path={data_config.path!r}",
-        dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed,
-    )  # fmt: skip
+) -> Any:
+    """A ``.txt`` file, or every ``.txt`` file under a directory (one document each), streamed."""
+    from titan_plugins.train.data.stream import build_streaming
+
+    return build_streaming(data_config, tokenizer, "text",
+                           dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
 
 
 def build_jsonl(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
-) -> PackedTokenDataset:
-    """A ``.jsonl`` file (or every one under a directory); ``data.text_field`` per line."""
-    files = find_files(data_config.path, (".jsonl",), "jsonl")
-    field = data_config.text_field
-    key = _files_key(files, "jsonl", field)
-    tokens = cached_tokens(key, lambda: read_jsonl(files, field), tokenizer)
-    return PackedTokenDataset(
-        tokens, source=f"data.path={data_config.path!r}",
-        dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed,
-    )  # fmt: skip
+) -> Any:
+    """A ``.jsonl`` file (or every one under a directory); ``data.text_field`` per line, streamed."""
+    from titan_plugins.train.data.stream import build_streaming
+
+    return build_streaming(data_config, tokenizer, "jsonl",
+                           dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
+
+
+def build_parquet(
+    data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
+) -> Any:
+    """A ``.parquet`` file (or every one under a directory), row group by row group."""
+    from titan_plugins.train.data.stream import build_streaming
+
+    return build_streaming(data_config, tokenizer, "parquet",
+                           dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
 
 
 def build_hf(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
-) -> PackedTokenDataset:
-    """A local Hugging Face dataset; ``data.split`` and ``data.text_field`` pick the text."""
-    key, load = hf_documents(data_config.path, data_config.split, data_config.text_field)
-    tokens = cached_tokens(key, load, tokenizer)
-    return PackedTokenDataset(
-        tokens, source=f"data.path={data_config.path!r}",
-        dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed,
-    )  # fmt: skip
+) -> Any:
+    """A local Hugging Face dataset (memory-mapped Arrow, read in row ranges);
+    ``data.split`` and ``data.text_field`` pick the text."""
+    from titan_plugins.train.data.stream import build_streaming
+
+    return build_streaming(data_config, tokenizer, "hf",
+                           dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
+
+
+def build_mix(
+    data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
+) -> Any:
+    """``data.mix``: several streaming sources, each sample drawn by weight."""
+    from titan_plugins.train.data.stream import build_mix as build
+
+    return build(data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
 
 
 def build_synthetic(

@@ -1,0 +1,480 @@
+"""Streaming sources: text, JSONL, Parquet and local Hugging Face datasets, read lazily.
+
+A source is cut into *units* from metadata alone (byte ranges of text/JSONL
+files, Parquet row groups, row ranges of a dataset), never by reading it. The
+loader's shards (``dp_world x num_workers``: data-parallel rank ``r``'s worker
+``w`` is shard ``r * num_workers + w``) take every ``n``-th unit, so no rank and
+no worker reads more than its part. A shard reads its units in an order
+reshuffled every epoch from the seed, tokenizes ``TOKENIZE_BATCH`` records at a
+time with ``tokenizers``' ``encode_batch`` (Rust), and packs the tokens into
+windows of ``seq_len + 1`` (neighbours share one token), documents joined by
+the tokenizer's BOS/EOS.
+
+The state is where the shard is (epoch, unit, the record its current batch
+starts at, the tokens carried into that batch, rows taken from it): a few
+integers and fewer than ``seq_len`` tokens; a resume re-reads that one batch
+and continues bitwise. torchdata's ``StatefulDataLoader`` runs the shards in
+worker processes with prefetch and keeps each worker's state with the batches
+it hands out (``StreamingLoader``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from titan_plugins.errors import ConfigError
+
+TOKENIZE_BATCH = 256  # records per encode_batch call
+BLOCK_BYTES = 4 << 20  # the largest byte range of a text/JSONL file one unit covers
+MIN_BLOCK_BYTES = 4 << 10
+HF_ROWS = 4096  # rows of a Hugging Face dataset per unit
+TEXT_LINES = 64  # lines of a text file per record
+SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl",), "parquet": (".parquet",)}
+
+
+@dataclass(frozen=True)
+class Unit:
+    """``records`` of one file: byte range (text/jsonl), row group (parquet), rows (hf)."""
+
+    path: str
+    start: int
+    stop: int
+
+
+def _rng(*key: int) -> np.random.Generator:
+    return np.random.default_rng([k & (2**64 - 1) for k in key])
+
+
+# ------------------------------------------------------------------ sources
+def _files(cfg: Any, kind: str) -> list[Path]:
+    from titan_plugins.train.data.sources import find_files
+
+    return find_files(cfg.path, SUFFIXES[kind], kind)
+
+
+def _open_hf(path: str, split: str) -> Any:
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when `datasets` is first imported
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(
+            f"data.name=hf needs the 'datasets' package to read data.path={path!r} "
+            "(pip install datasets)"
+        ) from None
+    p = Path(path).expanduser()
+    try:
+        if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
+            ds = datasets.load_from_disk(str(p))  # memory-mapped Arrow: nothing read yet
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ConfigError(f"data.split={split!r} is not in {list(ds)} at data.path={path!r}")
+                ds = ds[split]
+        elif p.is_file():
+            builder = {"jsonl": "json", "txt": "text"}.get(p.suffix.lstrip("."), p.suffix.lstrip("."))
+            ds = datasets.load_dataset(builder, data_files=str(p), split=split)
+        else:
+            ds = datasets.load_dataset(str(p), split=split)
+    except ConfigError:
+        raise
+    except Exception as exc:  # datasets raises many types; the first line says enough
+        first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
+        raise ConfigError(f"data.path={path!r} could not be loaded by datasets: {first}") from None
+    return ds
+
+
+def plan_units(cfg: Any, kind: str, n_shards: int) -> list[Unit]:
+    """The source's units, from file sizes and metadata only."""
+    if kind == "hf":
+        if not cfg.path:
+            raise ConfigError("data.name=hf needs data.path (a local dataset folder or file)")
+        if not Path(cfg.path).expanduser().exists():
+            raise ConfigError(f"data.path={cfg.path!r} does not exist (data.name=hf reads local paths only)")
+        n = len(_open_hf(cfg.path, cfg.split))
+        rows = max(1, min(HF_ROWS, -(-n // n_shards)))
+        return [Unit(str(cfg.path), s, min(s + rows, n)) for s in range(0, n, rows)]
+    files = _files(cfg, kind)
+    if kind == "parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError("data.name=parquet needs pyarrow (pip install 'titan-plugins[parquet]')") from None
+        units = []
+        for f in files:
+            try:
+                groups = pq.ParquetFile(f).metadata.num_row_groups
+            except Exception as exc:
+                raise ConfigError(f"data.path: {f} is not a Parquet file ({exc})") from None
+            units += [Unit(str(f), g, g + 1) for g in range(groups)]
+        return units
+    total = sum(f.stat().st_size for f in files)
+    block = max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, -(-total // (4 * n_shards))))
+    return [
+        Unit(str(f), s, min(s + block, size))
+        for f in files
+        for size in [f.stat().st_size]
+        for s in range(0, size, block)
+    ]
+
+
+def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
+    """(line number within the unit, line) for the lines that start in the unit's range."""
+    with open(unit.path, "rb") as f:
+        if unit.start > 0:
+            f.seek(unit.start - 1)
+            if f.read(1) != b"\n":
+                f.readline()  # the line that began before this unit is the previous unit's
+        k = 0
+        while f.tell() < unit.stop:
+            line = f.readline()
+            if not line:
+                break
+            yield k, line
+            k += 1
+
+
+def _decode(line: bytes, unit: Unit) -> str:
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"data.path: {unit.path} is not UTF-8 text (byte {exc.start} of a line near offset {unit.start})"
+        ) from None
+
+
+def read_records(kind: str, unit: Unit, cfg: Any, hf_ds: Any = None) -> Iterator[tuple[str, bool, bool]]:
+    """The unit's records as ``(text, starts_document, ends_document)``."""
+    field = cfg.text_field
+    if kind == "text":  # a file is one document; records are groups of lines
+        size = os.path.getsize(unit.path)
+        group: list[str] = []
+        first = unit.start == 0
+        for _, line in _lines(unit):
+            group.append(_decode(line, unit))
+            if len(group) == TEXT_LINES:
+                yield "".join(group), first, False
+                group, first = [], False
+        if group or first or unit.stop >= size:
+            yield "".join(group), first, unit.stop >= size
+    elif kind == "jsonl":
+        for k, line in _lines(unit):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(_decode(line, unit))
+            except ValueError as exc:
+                raise ConfigError(f"data.path: {unit.path} (line {k + 1} of its block at byte {unit.start}) "
+                                  f"is not valid JSON ({exc})") from None
+            if not isinstance(record, dict) or field not in record:
+                where = f"{unit.path}:{k + 1}" if unit.start == 0 else f"{unit.path} (near byte {unit.start})"
+                raise ConfigError(f"data.text_field={field!r} is not a key of {where}")
+            yield str(record[field]), True, True
+    elif kind == "parquet":
+        import pyarrow.parquet as pq
+
+        table = pq.ParquetFile(unit.path).read_row_group(unit.start, columns=[field])
+        for text in table.column(0).to_pylist():
+            yield str(text), True, True
+    else:  # hf
+        for text in hf_ds[unit.start : unit.stop][field]:
+            yield str(text), True, True
+
+
+def check_data_source(data_cfg: Any) -> None:
+    """Read a few bytes/rows of every file source of ``data_cfg`` (and of each
+    ``data.mix`` entry); a ConfigError in one line for a missing or empty file,
+    a missing text field, or a file that is not UTF-8. Cheap: for the launcher."""
+    entries = list(getattr(data_cfg, "mix", None) or []) or [data_cfg]
+    for entry in entries:
+        cfg = _entry_config(data_cfg, entry)
+        kind = cfg.name
+        if kind not in SUFFIXES and kind != "hf":
+            continue
+        if kind != "hf":
+            files = _files(cfg, kind)
+            for f in files:
+                if f.stat().st_size == 0:
+                    raise ConfigError(f"data.path: {f} is empty")
+            if kind != "parquet":
+                for f in files:
+                    head = Path(f).open("rb").read(1 << 16)
+                    try:
+                        head.decode("utf-8")
+                    except UnicodeDecodeError as exc:
+                        if exc.start < len(head) - 4:  # not a character cut at the end
+                            raise ConfigError(f"data.path: {f} is not UTF-8 text (byte {exc.start})") from None
+        units = plan_units(cfg, kind, 1)
+        if not units:
+            raise ConfigError(f"data.path={cfg.path!r} holds no rows")
+        hf_ds = _open_hf(cfg.path, cfg.split) if kind == "hf" else None
+        if hf_ds is not None and cfg.text_field not in hf_ds.column_names:
+            raise ConfigError(f"data.text_field={cfg.text_field!r} is not a column of {hf_ds.column_names}")
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            names = pq.ParquetFile(units[0].path).schema_arrow.names
+            if cfg.text_field not in names:
+                raise ConfigError(f"data.text_field={cfg.text_field!r} is not a column of {units[0].path} ({names})")
+        for _, _record in zip(range(4), read_records(kind, units[0], cfg, hf_ds)):
+            pass
+
+
+# ------------------------------------------------------------------ dataset
+class StreamingTokenDataset(torch.utils.data.IterableDataset):
+    """Packed ``(input_ids, labels)`` windows of one streaming source; a torchdata
+    Stateful (``state_dict``/``load_state_dict``) per shard."""
+
+    def __init__(self, cfg: Any, kind: str, tokenizer: Any, *, dp_rank: int, dp_world: int,
+                 num_workers: int, seq_len: int, seed: int) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"training.seq_len={seq_len} must be at least 1")
+        self.cfg = _plain(cfg)
+        self.kind, self.tokenizer, self.seq_len, self.seed = kind, tokenizer, seq_len, seed
+        self.dp_rank, self.dp_world, self.num_workers = dp_rank, dp_world, max(1, num_workers)
+        self.n_shards = dp_world * self.num_workers
+        self.units = plan_units(self.cfg, kind, self.n_shards)
+        if len(self.units) < self.n_shards:
+            raise ConfigError(
+                f"data.path={self.cfg.path!r} splits into {len(self.units)} parts, fewer than the "
+                f"{self.n_shards} loader shards (data-parallel ranks x data.num_workers): "
+                "lower data.num_workers or add data"
+            )
+        self.source = f"data.path={self.cfg.path!r}"
+        self._hf = None
+        self.state: dict[str, Any] = {"epoch": 0, "unit": 0, "record": 0, "carry": [], "rows": 0}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_hf": None}  # workers reopen the memory-mapped dataset
+
+    def identity(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seq_len": self.seq_len, "shards": self.n_shards,
+                "units": len(self.units)}
+
+    def shard(self) -> int:
+        info = torch.utils.data.get_worker_info()
+        worker = info.id if info is not None else 0
+        return self.dp_rank * self.num_workers + worker
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**self.state, "carry": list(self.state["carry"]), **self.identity()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_identity(state, self.identity())
+        self.state = {k: (list(state[k]) if k == "carry" else int(state[k]))
+                      for k in ("epoch", "unit", "record", "carry", "rows")}
+
+    def _records(self, unit: Unit) -> Iterator[tuple[str, bool, bool]]:
+        if self.kind == "hf" and self._hf is None:
+            self._hf = _open_hf(self.cfg.path, self.cfg.split)
+        return read_records(self.kind, unit, self.cfg, self._hf)
+
+    def _tokens(self, batch: list[tuple[str, bool, bool]]) -> list[int]:
+        bos, eos = self.tokenizer.bos_id, self.tokenizer.eos_id
+        out: list[int] = []
+        for (_, first, last), ids in zip(batch, self.tokenizer.encode_batch([b[0] for b in batch])):
+            if first and bos >= 0:
+                out.append(bos)
+            out.extend(ids)
+            if last and eos >= 0:
+                out.append(eos)
+        return out
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        shard = self.shard()
+        mine = self.units[shard :: self.n_shards]
+        st, n = self.state, self.seq_len
+        while True:
+            order = _rng(self.seed, st["epoch"], shard).permutation(len(mine))
+            yielded_in_epoch = st["unit"] > 0 or st["record"] > 0 or st["rows"] > 0
+            tokens_in_epoch = 0
+            while st["unit"] < len(mine):
+                records = self._records(mine[order[st["unit"]]])
+                for _ in range(st["record"]):
+                    next(records, None)
+                while True:
+                    batch = [r for _, r in zip(range(TOKENIZE_BATCH), records)]
+                    if not batch:
+                        break
+                    tokens = self._tokens(batch)
+                    tokens_in_epoch += len(tokens)
+                    buf = np.asarray(st["carry"] + tokens, dtype=np.int64)
+                    rows = max(0, (len(buf) - 1) // n)
+                    for r in range(st["rows"], rows):
+                        st["rows"] = r + 1
+                        yielded_in_epoch = True
+                        window = torch.from_numpy(buf[r * n : (r + 1) * n + 1].copy())
+                        yield window[:-1], window[1:]
+                    st["record"] += len(batch)
+                    st["carry"] = buf[rows * n :].tolist()
+                    st["rows"] = 0
+                st["unit"] += 1
+                st["record"] = 0
+            if not yielded_in_epoch:
+                raise ConfigError(
+                    f"{self.source} holds {tokens_in_epoch} tokens, fewer than "
+                    f"training.seq_len + 1 = {n + 1} (in loader shard {shard} of {self.n_shards})"
+                )
+            st["epoch"] += 1
+            st["unit"] = 0
+
+
+class MixedDataset(torch.utils.data.IterableDataset):
+    """``data.mix``: each sample from one of several streaming sources, drawn by
+    weight from ``(seed, shard, sample)``; each source keeps its own position."""
+
+    CHUNK = 4096
+
+    def __init__(self, parts: list[StreamingTokenDataset], weights: list[float], seed: int) -> None:
+        self.parts, self.seed = parts, seed
+        total = float(sum(weights))
+        self.p = np.asarray(weights, dtype=np.float64) / total
+        self.taken = 0
+
+    def identity(self) -> dict[str, Any]:
+        return {"mix": [p.identity() for p in self.parts], "weights": self.p.round(12).tolist()}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"taken": self.taken, "parts": [p.state_dict() for p in self.parts], **self.identity()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_identity(state, self.identity())
+        self.taken = int(state["taken"])
+        for part, s in zip(self.parts, state["parts"]):
+            part.load_state_dict(s)
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        shard = self.parts[0].shard()
+        streams = [iter(p) for p in self.parts]
+        while True:
+            chunk, pos = divmod(self.taken, self.CHUNK)
+            choice = _rng(self.seed, shard, chunk).choice(len(self.p), self.CHUNK, p=self.p)
+            for k in range(pos, self.CHUNK):
+                sample = next(streams[int(choice[k])])
+                self.taken += 1
+                yield sample
+
+
+def check_identity(state: Mapping[str, Any], identity: Mapping[str, Any]) -> None:
+    for key, value in identity.items():
+        if state.get(key) != value:
+            raise ConfigError(
+                f"the checkpoint's data state has {key}={state.get(key)!r} but this run has "
+                f"{value!r}: resume with the same data settings (and data.num_workers, data-parallel "
+                "degree) or start a new run"
+            )
+
+
+# ------------------------------------------------------------------ loader
+class StreamingLoader:
+    """``(input_ids, labels)`` batches from a StatefulDataLoader over ``dataset``;
+    ``state_dict``/``load_state_dict`` hold every worker's exact position."""
+
+    def __init__(self, dataset: Any, *, local_batch_size: int, seq_len: int, num_workers: int,
+                 prefetch_factor: int, name: str = "") -> None:
+        self.dataset, self.local_batch_size, self.seq_len, self.name = dataset, local_batch_size, seq_len, name
+        self.num_workers, self.prefetch_factor = num_workers, prefetch_factor
+        if num_workers > 0:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one thread per worker
+        self._loader = self._make()
+        self._it: Iterator[Any] | None = None
+
+    def _make(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers > 0 else {}
+        with warnings.catch_warnings():  # torchdata 0.11 calls a deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            return StatefulDataLoader(self.dataset, batch_size=self.local_batch_size,
+                                      num_workers=self.num_workers, **extra)
+
+    def __iter__(self) -> StreamingLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._it is None:
+            self._it = iter(self._loader)
+        try:
+            inputs, labels = next(self._it)
+        except Exception as exc:  # a worker's ConfigError comes back wrapped: one line
+            text = str(exc)
+            if "ConfigError" in text or isinstance(exc, ConfigError):
+                line = [ln for ln in text.splitlines() if ln.strip()][-1]
+                raise ConfigError(line.split("ConfigError: ", 1)[-1]) from None
+            raise
+        return inputs.long(), labels.long()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"stream": self._loader.state_dict(), "identity": self.dataset.identity(),
+                "num_workers": self.num_workers}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        check_identity(state["identity"], self.dataset.identity())
+        if int(state.get("num_workers", -1)) != self.num_workers:
+            raise ConfigError(f"the checkpoint's data state has data.num_workers={state.get('num_workers')} "
+                              f"but this run has {self.num_workers}: resume with the same value")
+        self._loader = self._make()
+        self._loader.load_state_dict(state["stream"])
+        self._it = None
+
+
+def _plain(cfg: Any) -> Any:
+    """A picklable copy of the config fields a source reads."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=_get(cfg, "name"), path=_get(cfg, "path"),
+                           text_field=_get(cfg, "text_field", "text"), split=_get(cfg, "split", "train"))
+
+
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if isinstance(cfg, Mapping) or hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None and default is not None else value
+
+
+def _entry_config(base: Any, entry: Any) -> Any:
+    """A ``data.mix`` entry with the base data settings as defaults."""
+    if entry is base:
+        return _plain(base)
+    from types import SimpleNamespace
+
+    merged = {k: _get(base, k) for k in ("name", "path", "text_field", "split")}
+    merged.update({k: _get(entry, k) for k in ("name", "path", "text_field", "split") if _get(entry, k) is not None})
+    return _plain(SimpleNamespace(**merged))
+
+
+def build_streaming(data_config: Any, tokenizer: Any, kind: str, *, dp_rank: int, dp_world: int,
+                    seq_len: int, seed: int) -> StreamingTokenDataset:
+    check_data_source(_plain(data_config))
+    return StreamingTokenDataset(
+        data_config, kind, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
+        num_workers=int(_get(data_config, "num_workers", 0) or 0), seq_len=seq_len, seed=seed,
+    )
+
+
+def build_mix(data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int, seq_len: int,
+              seed: int) -> MixedDataset:
+    """``data.mix=[{name, path, weight, text_field?, split?}, ...]`` of streaming sources."""
+    entries = list(_get(data_config, "mix") or [])
+    if not entries:
+        raise ConfigError("data.name=mix needs data.mix (a list of {name, path, weight})")
+    workers = int(_get(data_config, "num_workers", 0) or 0)
+    parts, weights = [], []
+    for i, entry in enumerate(entries):
+        cfg = _entry_config(data_config, entry)
+        if cfg.name not in SUFFIXES and cfg.name != "hf":
+            raise ConfigError(f"data.mix[{i}].name={cfg.name!r} must be one of text, jsonl, parquet, hf")
+        weight = _get(entry, "weight", 1.0)
+        if not isinstance(weight, (int, float)) or weight <= 0:
+            raise ConfigError(f"data.mix[{i}].weight={weight!r} must be a positive number")
+        check_data_source(cfg)
+        parts.append(StreamingTokenDataset(cfg, cfg.name, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
+                                           num_workers=workers, seq_len=seq_len, seed=seed + i))
+        weights.append(float(weight))
+    return MixedDataset(parts, weights, seed)
