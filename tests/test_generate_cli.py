@@ -49,3 +49,18 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert len(err) == 1 and "neither a run directory" in err[0]
     assert generate_main([str(tmp_path), "--prompt", "x", "--top-p", "0"]) == 2
     assert "top_p=0" in capsys.readouterr().err
+
+
+def test_titan_eval_on_the_local_task_returns_a_score(trained_run, capsys):
+    pytest.importorskip("lm_eval")
+    import json
+    from pathlib import Path
+
+    from titan_plugins.cli.eval import main as eval_main
+
+    tasks = Path(__file__).parent / "data" / "eval_task"
+    assert eval_main([str(trained_run), "--tasks-dir", str(tasks), "--tasks", "titan_heldout"]) == 0
+    scores = json.loads(capsys.readouterr().out)["results"]["titan_heldout"]
+    assert scores["perplexity,none"] > 1.0 and 0.0 <= scores["acc,none"] <= 1.0
+    assert eval_main([str(trained_run), "--tasks-dir", str(tasks), "--tasks", "nope"]) == 2
+    assert "--tasks=nope: no such task" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""An ``lm_eval`` model over a loaded titan model (``titan-eval``).
+
+``loglikelihood`` scores a continuation given a context (sum of log-probs and whether
+greedy decoding would produce it), ``loglikelihood_rolling`` a whole text in windows of
+the model's context, ``generate_until`` decodes greedily (KV cache) until a stop string.
+One process, one request at a time: meant for small local tasks, not throughput.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import LM
+
+from titan_plugins.generate.sampling import SamplingConfig, generate
+
+
+class TitanLM(LM):
+    def __init__(self, model: torch.nn.Module, tokenizer: Any, max_length: int, device: torch.device) -> None:
+        super().__init__()
+        self.model, self.tok, self.max_length, self._device = model.eval(), tokenizer, max_length, device
+        eos = getattr(tokenizer, "eos_id", None)
+        self.eos_id = eos if eos is not None and eos >= 0 else None
+
+    @torch.no_grad()
+    def _logprobs(self, ids: list[int], n_target: int) -> tuple[float, bool]:
+        """Log-prob of the last ``n_target`` ids given the ones before (left-truncated)."""
+        ids = ids[-(self.max_length + 1):]
+        inp = torch.tensor([ids[:-1]], device=self._device)
+        logits = self.model(inp)[0, -n_target:].float()
+        target = torch.tensor(ids[-n_target:], device=self._device)
+        logp = F.log_softmax(logits, dim=-1)
+        return float(logp.gather(1, target[:, None]).sum()), bool((logits.argmax(-1) == target).all())
+
+    def loglikelihood(self, requests) -> list[tuple[float, bool]]:
+        out = []
+        for req in requests:
+            context, continuation = req.args
+            ctx = self.tok.encode(context) if context else []
+            if not ctx and self.eos_id is not None:
+                ctx = [self.eos_id]
+            cont = self.tok.encode(continuation)
+            out.append(self._logprobs(ctx + cont, len(cont)))
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list[float]:
+        out = []
+        for req in requests:
+            ids = self.tok.encode(req.args[0])
+            full = ([self.eos_id] if self.eos_id is not None else []) + ids
+            first = 1  # the first id has no context: with an EOS prefix that is the EOS
+            n = len(full) - first
+            total = 0.0
+            for start in range(0, n, self.max_length):  # disjoint windows, each with full context
+                end = min(start + self.max_length, n)
+                total += self._logprobs(full[: first + end], end - start)[0]
+            out.append(total)
+        return out
+
+    def generate_until(self, requests) -> list[str]:
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            until = kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            ids = self.tok.encode(context)[-self.max_length :]
+            budget = min(int(kwargs.get("max_gen_toks", 64)), self.max_length - len(ids))
+            cfg = SamplingConfig(max_new_tokens=max(budget, 1), eos_id=self.eos_id)
+            new = generate(self.model, torch.tensor([ids], device=self._device), cfg)[0].tolist()
+            if self.eos_id in new:
+                new = new[: new.index(self.eos_id)]
+            text = self.tok.decode(new)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[: text.index(stop)]
+            out.append(text)
+        return out
