@@ -76,3 +76,31 @@ def test_generate_stops_at_eos():
 
     out = generate(Fixed(), torch.tensor([[0, 1]]), SamplingConfig(max_new_tokens=10, eos_id=2))
     assert out.tolist() == [[3, 2]]
+
+
+def test_lm_eval_adapter_rolling_equals_windowed_scores():
+    pytest.importorskip("lm_eval")
+    from types import SimpleNamespace
+
+    from titan_plugins.generate.lm_eval_adapter import TitanLM
+
+    class Tok:  # ids are the characters' codes mod 50; EOS is 0
+        eos_id = 0
+
+        def encode(self, text):
+            return [1 + ord(c) % 49 for c in text]
+
+        def decode(self, ids):
+            return "".join(chr(96 + i % 26) for i in ids)
+
+    model, _ = _tiny("qwen3")
+    req = lambda *a: SimpleNamespace(args=a)  # noqa: E731
+    text = "abcdefghijklmnop"
+    whole = TitanLM(model, Tok(), 64, torch.device("cpu"))
+    (ll, _), = whole.loglikelihood([req("", text)])
+    assert whole.loglikelihood_rolling([req(text)])[0] == pytest.approx(ll, rel=1e-5)
+    # Windows of 5 tokens: each scored with at most 5 tokens of context.
+    windowed = TitanLM(model, Tok(), 5, torch.device("cpu")).loglikelihood_rolling([req(text)])[0]
+    assert windowed != pytest.approx(ll, rel=1e-5) and windowed < 0
+    out = whole.generate_until([req("abc", {"until": ["zzzz"], "max_gen_toks": 6})])[0]
+    assert isinstance(out, str) and 0 < len(out) <= 6
