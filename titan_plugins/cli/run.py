@@ -233,7 +233,10 @@ def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
         except Exception as exc:  # a crash of the launcher itself: report, keep the sweep going
             print(f"error: job {job_name} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
             code, error = 1, f"{type(exc).__name__}: {exc}"
-        write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
+        try:
+            write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
+        except OSError:  # a full disk: the job's one error line is already printed
+            pass
         codes.append(code)
         return code
 
