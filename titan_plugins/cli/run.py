@@ -11,7 +11,8 @@ each process trains as its own rank instead of spawning ranks:
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m titan_plugins.cli.run model=qwen3 parallelism=fsdp16
-    (the run directory is $TITAN_RUN_DIR, else outputs/torchrun-<run id>; it must be shared)
+    (the run directory is $TITAN_RUN_DIR, else outputs/torchrun-<run id>-<master addr>-<port>; it
+    must be shared)
 
 With hydra-submitit-launcher: ``titan-run -m hydra/launcher=submitit_slurm
 hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=8 ...`` runs each job's
