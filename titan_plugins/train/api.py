@@ -189,8 +189,10 @@ def read_result(run_dir: str | os.PathLike, returncode: int = 0, error: str | No
     steps = sorted(by_step)
     tps = [by_step[s]["tokens_per_s"] for s in steps]
     steady = tps[1:] if len(tps) > 1 else tps
-    if error is None and (run_dir / "error.txt").is_file() and returncode != 0:
-        error = (run_dir / "error.txt").read_text().strip()
+    if error is None and returncode != 0:
+        from titan_plugins.failures import read_error_file
+
+        error = read_error_file(run_dir)
     return RunResult(
         returncode=returncode,
         run_dir=run_dir,
@@ -260,7 +262,9 @@ def run(
         pm = get_plugin_manager(strict=True)
         spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
     config_path = write_config(job, run_dir)
-    (run_dir / "error.txt").unlink(missing_ok=True)
+    from titan_plugins.failures import clear_error_file
+
+    clear_error_file(run_dir)
     if job.plan.enabled:
         raise ConfigError("plan=true is not supported by titan_plugins.train.api.run; use titan-run")
     nproc = dims.world_size
