@@ -411,11 +411,24 @@ class StreamingLoader:
             raise
         return inputs.long(), labels.long()
 
+    @property
+    def _key(self) -> str:
+        parts = getattr(self.dataset, "parts", None) or [self.dataset]
+        return f"dp_rank{parts[0].dp_rank}"
+
     def state_dict(self) -> dict[str, Any]:
-        return {"stream": self._loader.state_dict(), "identity": self.dataset.identity(),
-                "num_workers": self.num_workers}
+        # Ranks differ, so the key names the data-parallel rank (torch.distributed.checkpoint
+        # keeps one value per key), and the value is one JSON string: the loader's state
+        # has a shape that a fresh loader's template does not know yet.
+        state = {"stream": self._loader.state_dict(), "identity": self.dataset.identity(),
+                 "num_workers": self.num_workers}
+        return {self._key: json.dumps(state)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if self._key not in state:
+            raise ConfigError(f"the checkpoint's data state has no {self._key} "
+                              "(saved at another data-parallel degree): resume with the same one")
+        state = json.loads(state[self._key])
         check_identity(state["identity"], self.dataset.identity())
         if int(state.get("num_workers", -1)) != self.num_workers:
             raise ConfigError(f"the checkpoint's data state has data.num_workers={state.get('num_workers')} "
