@@ -104,3 +104,13 @@ def test_lm_eval_adapter_rolling_equals_windowed_scores():
     assert windowed != pytest.approx(ll, rel=1e-5) and windowed < 0
     out = whole.generate_until([req("abc", {"until": ["zzzz"], "max_gen_toks": 6})])[0]
     assert isinstance(out, str) and 0 < len(out) <= 6
+
+
+def test_kit_check_fails_on_a_cache_that_forgets(monkeypatch):
+    from titan_plugins.generate.kv_cache import KVCache, LayerCache
+
+    model, vocab = _tiny("qwen3")
+    monkeypatch.setattr(LayerCache, "update", lambda self, k, v: (k, v))  # attends to nothing cached
+    monkeypatch.setattr(KVCache, "attention_mask", lambda self, *a, **k: None)
+    with pytest.raises(AssertionError, match="cached greedy decoding differs from uncached at new token"):
+        check_kv_cache(model, vocab, new_tokens=12)

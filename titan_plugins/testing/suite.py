@@ -102,6 +102,11 @@ class ConformanceSuite:
 
         _run(check_hf_round_trip, self.titan_target())
 
+    def test_generation(self) -> None:
+        from titan_plugins.testing.generation import check_generation
+
+        _run(check_generation, self.titan_target())
+
     # ------------------------------------------------- parallelize (fake PG)
     @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep", "pp"])
     def test_parallelize(self, kind: str) -> None:
