@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROJECTS = {"titan_plugins": ROOT, **{f"titan_{p.name}": p for p in (ROOT / "plugins").iterdir()
                                       if (p / "pyproject.toml").is_file()}}
 # What `titan-plugins list` and Hydra composition import (no torch, by contract).
-LIBRARIES = ("hydra", "omegaconf", "pluggy", "antlr4", "yaml", "_yaml", "packaging")
+LIBRARIES = ("hydra", "omegaconf", "pluggy", "antlr4", "yaml", "_yaml", "packaging", "tokenizers")
 
 CHECK = r"""
 import importlib.resources, json, sys
