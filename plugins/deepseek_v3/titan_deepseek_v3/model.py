@@ -186,7 +186,8 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), freqs_cis, cache)
+        # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
+        x = x + self.attention(self.attention_norm(x), freqs_cis, **({} if cache is None else {"cache": cache}))
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return x + ffn(self.ffn_norm(x))
 

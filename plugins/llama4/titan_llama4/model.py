@@ -179,7 +179,9 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
-        h = x + _like(self.attention(self.attention_norm(x), freqs_cis, doc, cache), x)
+        # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
+        kw = {} if cache is None else {"cache": cache}
+        h = x + _like(self.attention(self.attention_norm(x), freqs_cis, doc, **kw), x)
         ffn = self.moe if self.moe_enabled else self.feed_forward
         return h + _like(ffn(self.ffn_norm(h)), h)
 

@@ -170,7 +170,8 @@ class TransformerBlock(nn.Module):
         self.weight_init_std = 0.02 / (2 * depth) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT, cache=None) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask, cache)
+        # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
+        x = x + self.attention(self.attention_norm(x), rope, mask, **({} if cache is None else {"cache": cache}))
         mlp = self.moe if self.moe_enabled else self.feed_forward
         return x + mlp(self.ffn_norm(x))
 
