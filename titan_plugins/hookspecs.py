@@ -84,6 +84,19 @@ def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, ran
 
 
 @hookspec
+def titan_on_validation_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    """Called on every rank after each validation (``validation.enabled``), with the
+    held-out loss of the model as it is after ``step``; sinks act where ``rank == 0``.
+
+    :param step: the training step the model has just finished.
+    :param metrics: ``loss`` (mean cross-entropy per held-out label token),
+        ``perplexity`` (``exp(loss)``) and ``tokens`` (label tokens scored); plain floats.
+    :param job_config: the resolved job config.
+    :param rank: this process's global rank.
+    """
+
+
+@hookspec
 def titan_on_train_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
     """Called on every rank after the last step (also after a resumed run that
     had nothing left to do).

@@ -145,6 +145,18 @@ class PlanConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Held-out loss every ``every`` steps (titan_plugins/train/validation.py)."""
+
+    enabled: bool = False
+    every: int = 50  # steps between validations (and after the last step)
+    steps: int = 4  # batches of training.local_batch_size rows per rank, each time
+    split: str = "validation"  # of the data source (builtin: its held-out 5%)
+    name: str | None = None  # another dataset for validation (default: data.name)
+    path: str | None = None  # the held-out file or folder (text/jsonl/parquet need it)
+
+
+@dataclass
 class JobConfig:
     model: Any = MISSING
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -154,4 +166,5 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     run_dir: str = "."  # set by titan-run to Hydra's output directory

@@ -110,6 +110,9 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: Any) -> Any:
 
     find_dataset(job.data.name, pm.datasets())
     _check_vocab(config, job.data)
+    from titan_plugins.train.validation import check_validation
+
+    check_validation(job)
     init_from = job.checkpoint.init_from
     if init_from and not (Path(init_from) / ".metadata").is_file():
         raise ConfigError(f"checkpoint.init_from={init_from}: no DCP checkpoint there (missing .metadata)")

@@ -19,17 +19,28 @@ import torch
 
 from titan_plugins.hookspecs import hookimpl
 
-__all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "register_sinks"]
+__all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "peak_tflops_for_name", "register_sinks"]
 
-# Dense bf16 peak TFLOP/s per device for MFU when metrics.peak_tflops is unset.
-_PEAKS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "V100": 125.0, "MI300": 1307.0}
+# Dense (no sparsity) bf16 peak TFLOP/s per device variant for MFU when metrics.peak_tflops is unset,
+# from the vendors' data sheets. Matched as substrings of the device name, most specific first.
+_PEAKS: tuple[tuple[str, float], ...] = (
+    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0),
+    ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # plain "H100" / "H100 80GB HBM3" = SXM
+    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0), ("V100", 125.0),
+    ("MI355X", 2500.0), ("MI325X", 1307.0), ("MI300X", 1307.0), ("MI300A", 980.0), ("MI250X", 383.0),
+)
+
+
+def peak_tflops_for_name(name: str) -> float | None:
+    """Dense bf16 peak for a device name such as ``NVIDIA H100 PCIe``; None when unknown."""
+    low = name.lower()
+    return next((v for k, v in _PEAKS if k.lower() in low), None)
 
 
 def default_peak_tflops(device_type: str) -> float | None:
     if device_type != "cuda" or not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in _PEAKS.items() if k in name), None)
+    return peak_tflops_for_name(torch.cuda.get_device_name())
 
 
 def memory_gib(device_type: str) -> float:
@@ -64,6 +75,13 @@ class ConsoleSink:
         print(" | ".join(parts), flush=True)
 
 
+    @hookimpl
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if rank == 0 and job_config.metrics.console:
+            print(f"validation at step {step:>5} | loss {metrics['loss']:.4f} | "
+                  f"perplexity {metrics['perplexity']:.2f} | tokens {metrics['tokens']:,.0f}", flush=True)
+
+
 class JsonlSink:
     """``<run_dir>/metrics.jsonl``: a ``start`` record, then one record per step."""
 
@@ -80,6 +98,11 @@ class JsonlSink:
     def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    @hookimpl
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._file is not None:  # a record of its own kind: readers of step losses skip it
+            self._file.write(json.dumps({"validation_step": step, **metrics}) + "\n")
 
     @hookimpl
     def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
@@ -108,6 +131,12 @@ class TensorBoardSink:
             return
         for key, value in metrics.items():
             self._writer.add_scalar(f"train/{key}", value, step)
+
+    @hookimpl
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+        if self._writer is not None:
+            for key, value in metrics.items():
+                self._writer.add_scalar(f"validation/{key}", value, step)
 
     @hookimpl
     def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:

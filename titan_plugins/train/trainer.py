@@ -27,6 +27,7 @@ from titan_plugins.train.lifecycle import ModelParts, build_model_parts
 from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
 from titan_plugins.train.metrics import default_peak_tflops, memory_gib
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
+from titan_plugins.train.validation import Validator
 
 __all__ = ["Trainer", "init_distributed", "set_determinism"]
 
@@ -91,6 +92,7 @@ class Trainer:
                 self.optimizers[0].register_step_pre_hook(lambda *_args, _fn=fn: _fn())
 
         self.dataloader = self._build_dataloader()
+        self.validator = Validator(self) if job.validation.enabled else None
         self.checkpointer = Checkpointer(
             job, run_dir, self.model.parts, self.optimizers, self.schedulers, self.dataloader
         )
@@ -206,6 +208,8 @@ class Trainer:
             if self.peak_tflops:
                 metrics["mfu"] = 100.0 * tflops / self.peak_tflops
             pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
+            if self.validator is not None and self.validator.due(step, self.steps):
+                pm.hook.titan_on_validation_end(step=step, metrics=self.validator.run(), job_config=job, rank=rank)
             if self.checkpointer.should_save(step, self.steps):
                 self.checkpointer.save(step)
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)

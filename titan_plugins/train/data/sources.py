@@ -89,6 +89,19 @@ def corpus_tokens(tokenizer: Tokenizer) -> np.ndarray:
     return cached_tokens(f"corpus:{key}", lambda: read_jsonl(CORPUS, "text"), tokenizer)
 
 
+HELD_OUT_FRACTION = 0.05  # of the builtin corpus's tokens: its validation split
+
+
+def builtin_split(tokens: np.ndarray, split: str) -> np.ndarray:
+    """``train``: all but the last 5% of the tokens; ``validation``: that last 5%."""
+    cut = len(tokens) - int(len(tokens) * HELD_OUT_FRACTION)
+    if split == "train":
+        return tokens[:cut]
+    if split == "validation":
+        return tokens[cut:]
+    raise ConfigError(f"data.split={split!r}: the builtin corpus has the splits 'train' and 'validation'")
+
+
 # ------------------------------------------------------------------- files
 def find_files(path: str | None, suffixes: tuple[str, ...], name: str, key: str = "data.path") -> list[Path]:
     """``path`` itself if it is a file, else the files under it ending in ``suffixes``;
@@ -198,9 +211,11 @@ def hf_documents(
 def build_builtin(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> PackedTokenDataset:
-    """The shipped corpus (the Python language reference)."""
+    """The shipped corpus (the Python language reference); ``data.split`` is ``train``
+    or ``validation`` (the last 5% of its tokens, which training never sees)."""
     return PackedTokenDataset(
-        corpus_tokens(tokenizer), source="the builtin corpus",
+        builtin_split(corpus_tokens(tokenizer), getattr(data_config, "split", "train")),
+        source=f"the builtin corpus's {getattr(data_config, 'split', 'train')} split",
         dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed,
     )  # fmt: skip
 
@@ -268,6 +283,8 @@ def build_synthetic(
     vocab_size = getattr(data_config, "vocab_size", None) or getattr(tokenizer, "vocab_size", None)
     if not vocab_size:
         raise ConfigError("data.name=synthetic needs a tokenizer or data.vocab_size")
+    if getattr(data_config, "split", "train") != "train":  # other rows than training's: another seed
+        seed = seed + 1 + sum(map(ord, str(data_config.split)))
     return SyntheticTokenDataset(
         int(vocab_size), dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed
     )
