@@ -5,7 +5,7 @@ is not a checkpoint entry. Hugging Face's ``Llama4ForConditionalGeneration`` kee
 the text model under ``language_model.`` and stores the routed experts as
 ``gate_up_proj (E, dim, 2*hidden)`` and ``down_proj (E, hidden, dim)``, i.e.
 transposed and with w1/w3 concatenated; ``expert_bias`` has no HF counterpart
-(TorchTitan's own adapter drops it too, and ``from_hf`` leaves it out).
+(``to_hf`` drops it, as TorchTitan's adapter does; ``from_hf`` re-creates it as zeros).
 """
 
 from __future__ import annotations
@@ -102,6 +102,18 @@ class Llama4StateDictAdapter:
                 out[f"layers.{layer}.moe.experts.w2"] = value.transpose(-1, -2)
             else:
                 raise KeyError(f"unknown Hugging Face Llama 4 text key {key!r}")
+        return self._add_missing(out)
+
+    def _add_missing(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Entries Hugging Face checkpoints do not hold: ``expert_bias`` (aux-loss-free
+        balancing, TorchTitan's; zeros leave the routing as trained) for every MoE layer."""
+        c = self.config
+        if c is None or c.moe.load_balance_coeff is None:
+            return out
+        import torch
+
+        for layer in sorted({k.split(".")[1] for k in out if ".moe." in k}, key=int):
+            out.setdefault(f"layers.{layer}.moe.expert_bias", torch.zeros(c.moe.num_experts, dtype=torch.float32))
         return out
 
 
