@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
@@ -26,6 +27,7 @@ __all__ = [
     "MoELayerConfig",
     "NormConfig",
     "RopeConfig",
+    "RopeScaling",
     "from_torchtitan",
     "make_config",
     "to_torchtitan",
@@ -48,25 +50,46 @@ class AttentionConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
+class RopeScaling(str, Enum):
+    """When YaRN is applied."""
+
+    auto = "auto"  # TorchTitan's rule: when max_seq_len > original_seq_len
+    yarn = "yarn"  # always (Hugging Face rope_type "yarn")
+    none = "none"  # never: plain RoPE (Hugging Face rope_type "default")
+
+
 @dataclass(kw_only=True)
 class RopeConfig:
     """Rotary embedding with YaRN (TorchTitan: ``rope_theta``, ``rope_factor``, ...).
 
-    YaRN, and the ``mscale`` it brings to the softmax scale, is active only when the
-    model's ``max_seq_len`` exceeds ``original_seq_len`` (TorchTitan's rule).
+    With ``scaling=auto`` YaRN, and the ``mscale`` it brings to the softmax scale, is
+    active only when the model's ``max_seq_len`` exceeds ``original_seq_len``
+    (TorchTitan's rule); a Hugging Face config.json says ``yarn`` or ``none``.
     """
 
     theta: float = 10000.0
+    scaling: RopeScaling = RopeScaling.auto
     factor: float = 40.0
     beta_fast: int = 32
     beta_slow: int = 1
     original_seq_len: int = 4096
-    mscale: float = 1.0
+    mscale: float = 1.0  # softmax-scale mscale (Hugging Face: mscale_all_dim)
+    # YaRN's magnitude on the rotary cos/sin (Hugging Face: attention_factor, derived
+    # from mscale / mscale_all_dim); TorchTitan has none (1.0).
+    attention_factor: float = 1.0
 
 
 @dataclass(kw_only=True)
 class NormConfig:
-    eps: float = 1e-5  # RMSNorm eps of the block norms and the q/kv latent norms
+    eps: float = 1e-5  # RMSNorm eps of the block norms (Hugging Face: rms_norm_eps)
+    # The q/kv latent norms: None = eps (TorchTitan); Hugging Face hard-codes 1e-6.
+    latent_eps: float | None = None
+    # The final norm: None = torch.finfo(dtype).eps (TorchTitan); Hugging Face: rms_norm_eps.
+    final_eps: float | None = None
+
+    @property
+    def latent(self) -> float:
+        return self.eps if self.latent_eps is None else self.latent_eps
 
 
 @dataclass(kw_only=True)
@@ -109,7 +132,11 @@ class DeepSeekV3Config:
     # ------------------------------------------------------------ derived
     @property
     def yarn_enabled(self) -> bool:
-        return self.max_seq_len > self.layer.rope.original_seq_len
+        rope = self.layer.rope
+        scaling = RopeScaling(rope.scaling)
+        if scaling is RopeScaling.auto:
+            return self.max_seq_len > rope.original_seq_len
+        return scaling is RopeScaling.yarn
 
     @property
     def softmax_scale(self) -> float:
@@ -144,6 +171,13 @@ class DeepSeekV3Config:
             raise ConfigError(
                 f"model.layer.attention.qk_rope_head_dim={att.qk_rope_head_dim} must be even"
             )
+        norm, rope = self.layer.norm, self.layer.rope
+        for key in ("eps", "latent_eps", "final_eps"):
+            value = getattr(norm, key)
+            if value is not None and not value > 0:
+                raise ConfigError(f"model.layer.norm.{key}={value} must be > 0")
+        if not rope.attention_factor > 0:
+            raise ConfigError(f"model.layer.rope.attention_factor={rope.attention_factor} must be > 0")
         if self.n_dense_layers < self.n_layers:
             self.layer.moe.validate(key="model.layer.moe")
 
@@ -321,8 +355,16 @@ def from_torchtitan(args: Any) -> DeepSeekV3Config:
 
 def to_torchtitan(config: DeepSeekV3Config) -> dict[str, Any]:
     """Keyword arguments for TorchTitan's ``DeepSeekV3ModelArgs`` (``moe_args`` as a dict
-    of ``MoEArgs`` keywords)."""
+    of ``MoEArgs`` keywords). Settings TorchTitan has no argument for must be at
+    TorchTitan's value (ConfigError naming the field otherwise)."""
     layer = config.layer
+    fixed = {"layer.rope.scaling": (RopeScaling(layer.rope.scaling).value, "auto"),
+             "layer.rope.attention_factor": (layer.rope.attention_factor, 1.0),
+             "layer.norm.latent_eps": (layer.norm.latent_eps, None),
+             "layer.norm.final_eps": (layer.norm.final_eps, None)}
+    for key, (value, torchtitan) in fixed.items():
+        if value != torchtitan:
+            raise ConfigError(f"model.{key}={value!r} has no TorchTitan equivalent (it has {torchtitan!r} only)")
     moe = {k: getattr(layer.moe, k) for k in _TT_MOE}
     moe["score_func"] = ScoreFunc(moe["score_func"]).value
     return {

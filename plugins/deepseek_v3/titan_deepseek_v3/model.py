@@ -68,7 +68,9 @@ def precompute_freqs_cis(config: DeepSeekV3Config) -> torch.Tensor:
         smooth = 1 - ramp
         freqs = freqs / rope.factor * (1 - smooth) + freqs * smooth
     freqs = torch.outer(torch.arange(seqlen), freqs)
-    return torch.polar(torch.ones_like(freqs), freqs)
+    # Hugging Face's YaRN scales cos/sin by attention_factor (1.0 in TorchTitan).
+    magnitude = rope.attention_factor if config.yarn_enabled else 1.0
+    return torch.polar(torch.full_like(freqs, magnitude), freqs)
 
 
 def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
@@ -109,7 +111,7 @@ class Attention(nn.Module):
 
     def __init__(self, config: DeepSeekV3Config):
         super().__init__()
-        att, dim, eps = config.layer.attention, config.dim, config.layer.norm.eps
+        att, dim, eps = config.layer.attention, config.dim, config.layer.norm.latent
         self.q_lora_rank = att.q_lora_rank
         self.kv_lora_rank = att.kv_lora_rank
         self.qk_nope_head_dim = att.qk_nope_head_dim
@@ -216,8 +218,8 @@ class DeepSeekV3Model(nn.Module):
         self.layers = nn.ModuleDict(
             {str(i): TransformerBlock(i, config) for i in range(config.n_layers)}
         )
-        # TorchTitan's final norm has no explicit eps (torch.finfo(dtype).eps).
-        self.norm: nn.RMSNorm | None = RMSNorm(config.dim)
+        # TorchTitan's final norm has no explicit eps (final_eps None: torch.finfo(dtype).eps).
+        self.norm: nn.RMSNorm | None = RMSNorm(config.dim, eps=config.layer.norm.final_eps)
         self.lm_head: nn.Linear | None = Linear(config.dim, config.vocab_size, bias=False)
         self.compute_dtype: torch.dtype | None = None
 

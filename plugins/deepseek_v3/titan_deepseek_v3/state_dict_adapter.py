@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from titan_deepseek_v3.config import DeepSeekV3Config
+from titan_plugins.errors import ConfigError
 
 # HF name (with {} for the layer) -> TorchTitan/our name, for everything but routed experts.
 _HF_LAYER = {
@@ -88,6 +89,12 @@ class DeepSeekV3StateDictAdapter:
                     out[f"model.layers.{layer}.mlp.experts.{e}.{hf_proj}.weight"] = value[e]
             elif rest in self._layer_to_hf:
                 out[f"model.layers.{layer}.{self._layer_to_hf[rest]}"] = value
+                if rest == "moe.router.gate.weight" and self.config.layer.moe.load_balance_coeff is None:
+                    # no expert_bias here (balancing off): Hugging Face's is then zero
+                    num_experts = value.shape[0]
+                    out[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"] = torch.zeros(
+                        num_experts, dtype=torch.float32, device=value.device
+                    )
             else:
                 raise KeyError(f"to_hf: no Hugging Face name for {key!r}")
         return out
@@ -95,7 +102,9 @@ class DeepSeekV3StateDictAdapter:
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         """Hugging Face names -> ours. Layers at or past ``n_layers`` (DeepSeek-V3's
         multi-token-prediction layer 61) and rotary caches are skipped; fp8 weights
-        with ``weight_scale_inv`` must be dequantized first."""
+        with ``weight_scale_inv`` must be dequantized first. With balancing off
+        (``load_balance_coeff=None``, no ``expert_bias``) a zero
+        ``e_score_correction_bias`` is dropped, any other is an error."""
         num_experts = self.config.layer.moe.num_experts
         out: dict[str, Any] = {}
         experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
@@ -119,6 +128,12 @@ class DeepSeekV3StateDictAdapter:
             if expert is not None:
                 e, proj = expert.groups()
                 experts.setdefault((layer, _HF_EXPERT[proj]), {})[int(e)] = value
+            elif rest == "mlp.gate.e_score_correction_bias" and self.config.layer.moe.load_balance_coeff is None:
+                if bool(value.any()):  # it steers the routing: never drop it silently
+                    raise ConfigError(
+                        f"model.layer.moe.load_balance_coeff=None: the model has no expert_bias for {key!r}; "
+                        "set a load_balance_coeff to keep the checkpoint's routing bias"
+                    )
             elif rest in _HF_LAYER:
                 out[f"layers.{layer}.{_HF_LAYER[rest]}"] = value
             else:
