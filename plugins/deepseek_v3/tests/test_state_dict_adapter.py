@@ -51,3 +51,18 @@ def test_from_hf_skips_the_mtp_layer_and_rejects_fp8():
     del hf["model.layers.1.mlp.experts.2.up_proj.weight"]
     with pytest.raises(KeyError, match="experts"):
         adapter.from_hf(hf)
+
+
+def test_balancing_off_writes_a_zero_routing_bias_and_refuses_a_real_one():
+    from titan_plugins.errors import ConfigError
+
+    config = make_config(**TINY, load_balance_coeff=None)
+    model = build(config)
+    adapter = DeepSeekV3StateDictAdapter(config)
+    hf = adapter.to_hf(model.state_dict())
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert torch.equal(hf[bias], torch.zeros(4))  # transformers loads the folder strictly
+    assert adapter.from_hf(hf).keys() == model.state_dict().keys()
+    hf[bias] = torch.full((4,), 0.5)
+    with pytest.raises(ConfigError, match="load_balance_coeff"):
+        adapter.from_hf(hf)
