@@ -296,3 +296,57 @@ def test_main_wrapper_turns_titan_errors_into_one_line(capsys: pytest.CaptureFix
 
     assert main([]) == 2
     assert capsys.readouterr().err == "error: model=x is not provided by any plugin\n"
+
+
+def test_register_hooks_go_through_pluggy_ordering(pm: Any) -> None:
+    """tryfirst/trylast decide which plugin's register hook runs first (registration
+    order decides nothing else: a clash still names the first registered)."""
+    calls: list[str] = []
+    last = types.ModuleType("titan_fake_last")
+    last.titan_register_models = hookimpl(trylast=True)(lambda register: calls.append("last"))
+    first = types.ModuleType("titan_fake_first")
+    first.titan_register_models = hookimpl(tryfirst=True)(lambda register: calls.append("first"))
+    plain = types.ModuleType("titan_fake_plain")
+    plain.titan_register_models = hookimpl(lambda register: calls.append("plain"))
+    for plugin in (last, first, plain):
+        pm.add_plugin(plugin)
+    pm.models()
+    assert calls.index("first") == 0 and calls[-1] == "last"
+    assert pm.errors == []
+
+
+def test_register_hook_wrapper_runs(pm: Any) -> None:
+    wrapping = types.ModuleType("titan_fake_wrapping")
+
+    @hookimpl(wrapper=True)
+    def titan_register_models(register: Any) -> Any:
+        result = yield
+        register(toy_plugin.spec("wrapped"))
+        return result
+
+    wrapping.titan_register_models = titan_register_models
+    pm.add_plugin(wrapping)
+    assert set(pm.models()) == {"toy", "wrapped"}
+    assert pm.model_owner("wrapped").name == "titan_fake_wrapping"
+
+
+def test_failures_are_records_until_printed(installed: Any) -> None:
+    pm = get_plugin_manager(autoload=False)
+    broken = (ep("broken", "titan_fake_missing_pkg.plugin"), FakeDist("titan-broken", "0.3"))
+    pm.load_entrypoints([*entry_points("alpha"), broken])
+    (failure,) = pm.failures
+    assert (failure.plugin, failure.module, failure.dist, failure.version) == (
+        "broken", "titan_fake_missing_pkg.plugin", "titan-broken", "0.3")
+    assert failure.reason == "ModuleNotFoundError: No module named 'titan_fake_missing_pkg'"
+    assert pm.errors == [failure.line()]
+    with pytest.raises(AttributeError):
+        failure.reason = "changed"  # frozen: what was recorded stays recorded
+
+
+def test_api_requirement_is_a_pep440_specifier(pm: Any) -> None:
+    from titan_plugins.plugins import api_version_matches
+
+    assert api_version_matches(">=1.0,<2") and api_version_matches("~=1.0") and api_version_matches("==1.*")
+    assert not api_version_matches(">=2.0") and not api_version_matches("<1")
+    with pytest.raises(ValueError, match="cannot parse API requirement 'one'"):
+        api_version_matches("one")

@@ -4,15 +4,16 @@ of what plugins hand over (models, datasets, Hydra search-path entries).
 Nothing here is module-global: ``get_plugin_manager()`` builds a fresh manager,
 so tests can make their own and register plugin objects without installing them.
 
-Every failure a plugin can cause is recorded as one line naming the plugin, its
-module and ``dist==version`` (``pm.errors``) and leaves the other plugins usable;
-``raise_on_errors()`` turns the first into a ``PluginLoadError`` (strict mode,
-used for training), while ``titan-plugins list`` shows them all (lenient).
+Every failure a plugin can cause is kept as one ``PluginFailure`` record (the
+plugin, its module, ``dist==version`` and the reason) in ``pm.failures`` and
+leaves the other plugins usable. Records become lines only where they are shown:
+``pm.errors`` (``titan-plugins list``, lenient) and ``raise_on_errors()``, which
+turns the first into a ``PluginLoadError`` (strict mode, used for training).
 """
 
 from __future__ import annotations
 
-import difflib
+import enum
 import importlib
 import importlib.metadata as metadata
 import inspect
@@ -23,10 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from titan_plugins import hookspecs
 from titan_plugins.errors import DuplicateModelError, PluginLoadError, UnknownModelError
 from titan_plugins.spec import DatasetSpec, ModelSpec
+from titan_plugins.suggest import did_you_mean
 
 ENTRY_POINT_GROUP = "titan_plugins"
 CORE_DIST = "titan-plugins"
@@ -42,10 +45,10 @@ ENV_EXTRA = "TITAN_PLUGINS_EXTRA"
 ENV_TRACE = "TITAN_TRACE_PLUGINS"
 
 
-def _api_version() -> tuple[int, ...]:
+def _api_version() -> str:
     from titan_plugins import API_VERSION  # one source of truth: the package
 
-    return _version_tuple(API_VERSION)
+    return API_VERSION
 
 
 def _env_list(name: str) -> set[str] | None:
@@ -79,6 +82,44 @@ def _explain_validation_error(exc: pluggy.PluginValidationError) -> str:
     return f"PluginValidationError: hook {hook!r}: {rest}" if hook else "PluginValidationError: " + "; ".join(lines)
 
 
+class FailureKind(enum.Enum):
+    """What went wrong, which decides how a record reads as a line."""
+
+    PLUGIN = "plugin"  # the plugin itself: import, registration, a hook that raised
+    MODEL_CLASH = "model-clash"  # two plugins registered one model name (``subject``)
+    DATASET_CLASH = "dataset-clash"  # two plugins registered one dataset name (``subject``)
+    HOOKS = "hooks"  # pluggy's check_pending after loading
+
+
+@dataclass(frozen=True)
+class PluginFailure:
+    """One thing a plugin got wrong; a line only when shown (:meth:`line`)."""
+
+    plugin: str
+    module: str
+    dist: str
+    version: str
+    reason: str  # ``TypeName: message`` on one line (a clash: the whole sentence)
+    kind: FailureKind = FailureKind.PLUGIN
+    subject: str | None = None  # the model or dataset name of a clash
+    collected: bool = False  # found while collecting registrations (recomputed with them)
+
+    @property
+    def origin(self) -> str:
+        return f"plugin {self.plugin!r} ({self.module}) from {self.dist}=={self.version}"
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.plugin, self.module, self.dist, self.version)
+
+    def line(self) -> str:
+        if self.kind is FailureKind.PLUGIN:
+            return f"{self.origin} failed to load: {self.reason}"
+        if self.kind is FailureKind.HOOKS:
+            return f"hook validation failed: {self.reason}"
+        return self.reason
+
+
 @dataclass
 class PluginInfo:
     """One loaded (or failed) plugin, as ``titan-plugins list`` shows it."""
@@ -88,47 +129,40 @@ class PluginInfo:
     dist: str
     version: str
     plugin: Any = None
-    error: str | None = None
     models: list[str] = field(default_factory=list)
     datasets: list[str] = field(default_factory=list)
     searchpath: list[str] = field(default_factory=list)
     model_specs: list[ModelSpec] = field(default_factory=list, repr=False)
     dataset_specs: list[DatasetSpec] = field(default_factory=list, repr=False)
-    load_error: str | None = field(default=None, repr=False)  # before collection
+    # The manager's records (the same list, not a copy): ``error`` reads this plugin's.
+    failures: list[PluginFailure] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def origin(self) -> str:
         return f"plugin {self.name!r} ({self.module}) from {self.dist}=={self.version}"
 
     @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.name, self.module, self.dist, self.version)
+
+    @property
     def builtin(self) -> bool:
         return self.name in BUILTIN_PLUGINS
 
-
-def _version_tuple(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.strip().split(".") if part.isdigit())
+    @property
+    def error(self) -> str | None:
+        """This plugin's failures, ``; ``-joined (``None`` when it loaded cleanly)."""
+        mine = [f.reason for f in self.failures if f.key == self.key]
+        return "; ".join(mine) if mine else None
 
 
 def api_version_matches(requirement: str) -> bool:
     """Check a plugin's ``TITAN_PLUGINS_API`` requirement (``">=1.0,<2"``)."""
-    ops = {
-        ">=": lambda a, b: a >= b,
-        "<=": lambda a, b: a <= b,
-        "==": lambda a, b: a[: len(b)] == b,
-        ">": lambda a, b: a > b,
-        "<": lambda a, b: a < b,
-    }
-    current = _api_version()
-    for clause in requirement.split(","):
-        clause = clause.strip()
-        for op in (">=", "<=", "==", ">", "<"):
-            if clause.startswith(op):
-                if not ops[op](current, _version_tuple(clause[len(op) :])):
-                    return False
-                break
-        else:
-            raise ValueError(f"cannot parse API requirement {clause!r}")
-    return True
+    try:
+        spec = SpecifierSet(requirement)
+    except InvalidSpecifier:
+        raise ValueError(f"cannot parse API requirement {requirement!r}") from None
+    return spec.contains(_api_version())
 
 
 class TitanPluginManager(pluggy.PluginManager):
@@ -139,8 +173,7 @@ class TitanPluginManager(pluggy.PluginManager):
         super().__init__(hookspecs.PROJECT_NAME)
         self.add_hookspecs(hookspecs)
         self.infos: dict[str, PluginInfo] = {}
-        self.errors: list[str] = []
-        self._load_errors: list[str] = []  # errors of loading; collection adds its own
+        self.failures: list[PluginFailure] = []  # the one place failures are kept
         self._collected: tuple[dict, dict, list] | None = None
         self._owners: dict[str, PluginInfo] = {}
         self._tracing = _env_flag(ENV_TRACE)
@@ -149,14 +182,24 @@ class TitanPluginManager(pluggy.PluginManager):
             self.trace.root.setwriter(lambda text: sys.stderr.write(text))
             self.enable_tracing()
 
+    @property
+    def errors(self) -> list[str]:
+        """Every failure as the line ``titan-plugins list`` prints."""
+        return [f.line() for f in self.failures]
+
+    def _info(self, name: str, module: str, dist: str, version: str) -> PluginInfo:
+        return PluginInfo(name=name, module=module, dist=dist, version=version, failures=self.failures)
+
     # ------------------------------------------------------------ registration
     def add_plugin(
-        self, plugin: Any, name: str | None = None, *, dist: str = "<local>", version: str = "-"
+        self, plugin: Any, name: str | None = None, *, dist: str = "<local>", version: str = "-",
+        module: str | None = None,
     ) -> PluginInfo:
-        """Register a module or object as a plugin; errors are recorded, not raised."""
-        module = getattr(plugin, "__name__", type(plugin).__name__)
+        """Register a module or object as a plugin; errors are recorded, not raised.
+        ``module`` is what to show for it (an entry point's value), else its ``__name__``."""
+        module = module or getattr(plugin, "__name__", type(plugin).__name__)
         name = name or module
-        info = PluginInfo(name=name, module=module, dist=dist, version=version)
+        info = self._info(name, module, dist, version)
         if name in self.infos and self.infos[name].plugin is not None:
             other = self.infos[name]
             self._record(info, PluginLoadError(
@@ -168,8 +211,7 @@ class TitanPluginManager(pluggy.PluginManager):
             requirement = getattr(plugin, "TITAN_PLUGINS_API", None)
             if requirement and not api_version_matches(requirement):
                 raise PluginLoadError(
-                    f"needs titan-plugins API {requirement}, this core provides "
-                    f"{'.'.join(map(str, _api_version()))}"
+                    f"needs titan-plugins API {requirement}, this core provides {_api_version()}"
                 )
             self.register(plugin, name=name)
             self._check_unknown_hooks(plugin)
@@ -183,17 +225,19 @@ class TitanPluginManager(pluggy.PluginManager):
         for caller in self.get_hookcallers(plugin) or []:
             if caller.spec is None:
                 self.unregister(plugin)
-                close = difflib.get_close_matches(caller.name, HOOK_NAMES, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(caller.name, HOOK_NAMES)
                 raise PluginLoadError(f"implements unknown hook {caller.name!r}{hint}")
 
-    def _record(self, info: PluginInfo, exc: BaseException) -> None:
-        message = one_line(exc)
-        info.error = message if info.error is None else f"{info.error}; {message}"
-        info.load_error = info.error
-        line = f"{info.origin} failed to load: {message}"
-        self.errors.append(line)
-        self._load_errors.append(line)
+    def _record(
+        self, info: PluginInfo, exc: BaseException, *, kind: FailureKind = FailureKind.PLUGIN,
+        subject: str | None = None, collected: bool = False,
+    ) -> None:
+        # A clash's message is already the whole sentence; anything else is "Type: message".
+        reason = one_line(exc) if kind in (FailureKind.PLUGIN, FailureKind.HOOKS) else str(exc)
+        self.failures.append(PluginFailure(
+            plugin=info.name, module=info.module, dist=info.dist, version=info.version,
+            reason=reason, kind=kind, subject=subject, collected=collected,
+        ))
 
     def _fail(self, info: PluginInfo, exc: BaseException) -> None:
         self._record(info, exc)
@@ -220,10 +264,10 @@ class TitanPluginManager(pluggy.PluginManager):
         for module_name in module_names:
             if module_name in block:
                 continue
-            info = PluginInfo(name=module_name, module=module_name, dist="<extra>", version="-")
             try:
                 module = importlib.import_module(module_name)
-            except Exception as exc:
+            except Exception as exc:  # a broken plugin must not take the others down
+                info = self._info(module_name, module_name, "<extra>", "-")
                 self.infos[module_name] = info
                 self._fail(info, exc)
                 continue
@@ -247,54 +291,50 @@ class TitanPluginManager(pluggy.PluginManager):
             if ep.name in block or (allow is not None and ep.name not in allow):
                 continue
             dist_name, version = _dist_name_version(dist)
-            info = PluginInfo(name=ep.name, module=ep.value, dist=dist_name, version=version)
             if ep.name in self.infos:
                 other = self.infos[ep.name]
                 if (other.dist, other.module) == (dist_name, ep.value):
                     continue  # the same distribution seen twice on sys.path
-                self._record(info, PluginLoadError(
+                self._record(self._info(ep.name, ep.value, dist_name, version), PluginLoadError(
                     f"the plugin name {ep.name!r} is already taken by {other.dist}=={other.version}"
                     f" ({other.module}); rename one entry point or block one with {ENV_BLOCK}"))
                 continue
             try:
                 plugin = ep.load()
-            except Exception as exc:
+            except Exception as exc:  # a broken plugin must not take the others down
+                info = self._info(ep.name, ep.value, dist_name, version)
                 self.infos[ep.name] = info
                 self._fail(info, exc)
                 continue
-            added = self.add_plugin(plugin, name=ep.name, dist=dist_name, version=version)
-            added.module = ep.value
+            self.add_plugin(plugin, name=ep.name, dist=dist_name, version=version, module=ep.value)
         for name in sorted((allow or set()) - seen - set(self.infos)):
-            missing = PluginInfo(name=name, module="?", dist="?", version="-")
-            self._record(missing, PluginLoadError(
+            self._record(self._info(name, "?", "?", "-"), PluginLoadError(
                 f"{ENV_ALLOW} names {name!r} but no installed distribution provides it"))
         try:
             self.check_pending()
         except pluggy.PluginValidationError as exc:
-            self.errors.append(f"hook validation failed: {one_line(exc)}")
+            name = self.get_name(exc.plugin) or "?"
+            culprit = self.infos.get(name) or self._info(name, "?", "?", "-")
+            self._record(culprit, exc, kind=FailureKind.HOOKS)
 
     # -------------------------------------------------------------- collection
     def _collect(self) -> tuple[dict[str, ModelSpec], dict[str, DatasetSpec], list]:
         if self._collected is not None:
             return self._collected
-        self.errors[:] = self._load_errors  # collection errors are recomputed each time
-        for info in self.infos.values():
-            info.error = info.load_error
+        self.failures[:] = [f for f in self.failures if not f.collected]  # recomputed below
+        active = [i for i in self.infos.values() if i.plugin is not None]
+        failed = self._call_registrations(active)
         models: dict[str, ModelSpec] = {}
         owners: dict[str, PluginInfo] = {}
         datasets: dict[str, DatasetSpec] = {}
         dataset_owners: dict[str, PluginInfo] = {}
         searchpath: list[tuple[str, str]] = []
         duplicates: set[str] = set()
-        for info in [i for i in self.infos.values() if i.plugin is not None]:
-            try:
-                info.model_specs = self._call_register(info, "titan_register_models", ModelSpec)
-                info.dataset_specs = self._call_register(info, "titan_register_datasets", DatasetSpec)
-                info.searchpath = self._call_searchpath(info)
-            except Exception as exc:
+        for info in active:  # registration order: which plugin a clash names first
+            if info.name in failed:
                 info.model_specs, info.dataset_specs, info.searchpath = [], [], []
                 info.models, info.datasets = [], []
-                self._record_collect(info, exc)
+                self._record(info, failed[info.name], collected=True)
                 continue
             info.models = [spec.name for spec in info.model_specs]
             info.datasets = [spec.name for spec in info.dataset_specs]
@@ -302,20 +342,20 @@ class TitanPluginManager(pluggy.PluginManager):
                 if spec.name in models or spec.name in duplicates:
                     other = owners[spec.name]
                     duplicates.add(spec.name)
-                    self._record_collect(info, DuplicateModelError(
+                    self._record(info, DuplicateModelError(
                         f"model {spec.name!r} is registered by both {other.dist}=={other.version} "
                         f"(plugin {other.name!r}) and {info.dist}=={info.version} (plugin {info.name!r})"
-                    ), prefix=False)
+                    ), kind=FailureKind.MODEL_CLASH, subject=spec.name, collected=True)
                     continue
                 models[spec.name] = spec
                 owners[spec.name] = info
             for spec in info.dataset_specs:
                 if spec.name in datasets:
                     other = dataset_owners[spec.name]
-                    self._record_collect(info, PluginLoadError(
+                    self._record(info, PluginLoadError(
                         f"dataset {spec.name!r} is registered by both {other.dist}=={other.version} "
                         f"(plugin {other.name!r}) and {info.dist}=={info.version} (plugin {info.name!r})"
-                    ), prefix=False)
+                    ), kind=FailureKind.DATASET_CLASH, subject=spec.name, collected=True)
                     continue
                 datasets[spec.name] = spec
                 dataset_owners[spec.name] = info
@@ -326,28 +366,54 @@ class TitanPluginManager(pluggy.PluginManager):
         self._collected = (models, datasets, searchpath)
         return self._collected
 
-    def _record_collect(self, info: PluginInfo, exc: BaseException, *, prefix: bool = True) -> None:
-        message = one_line(exc) if prefix else str(exc)
-        info.error = message if info.error is None else f"{info.error}; {message}"
-        self.errors.append(f"{info.origin} failed to load: {message}" if prefix else message)
+    def _call_registrations(self, active: list[PluginInfo]) -> dict[str, BaseException]:
+        """Run the register hooks and the search-path hook through pluggy, in the
+        order pluggy calls them (``tryfirst``/``trylast``, else the last registered
+        first); each plugin is called apart so that what it registers, or what it
+        raises, is charged to it and the others stay usable. Returns the failures."""
+        failed: dict[str, BaseException] = {}
+        for info in active:
+            info.model_specs, info.dataset_specs, info.searchpath = [], [], []
+        for hook_name in ("titan_register_models", "titan_register_datasets", "titan_config_searchpath"):
+            for info in self._call_order(hook_name, active):
+                if info.name in failed:
+                    continue  # a plugin whose registration failed contributes nothing
+                try:
+                    if hook_name == "titan_register_models":
+                        info.model_specs = self._call_register(info, hook_name, ModelSpec)
+                    elif hook_name == "titan_register_datasets":
+                        info.dataset_specs = self._call_register(info, hook_name, DatasetSpec)
+                    else:
+                        info.searchpath = self._call_searchpath(info)
+                except Exception as exc:  # a broken plugin must not take the others down
+                    failed[info.name] = exc
+        return failed
 
-    def _impl_of(self, plugin: Any, hook_name: str) -> Any:
-        for impl in getattr(self.hook, hook_name).get_hookimpls():
-            if impl.plugin is plugin:
-                return impl
-        return None
+    def _call_order(self, hook_name: str, active: list[PluginInfo]) -> list[PluginInfo]:
+        """The plugins of ``active`` implementing ``hook_name``, in pluggy's call order."""
+        by_plugin = {id(info.plugin): info for info in active}
+        order: dict[int, PluginInfo] = {}
+        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):
+            info = by_plugin.get(id(impl.plugin))
+            if info is not None:  # one implementation per plugin (wrapper or not)
+                order.setdefault(id(impl.plugin), info)
+        return list(order.values())
+
+    def _hook_of(self, plugin: Any, hook_name: str) -> Any:
+        """A pluggy caller of ``hook_name`` with only ``plugin``'s implementations
+        (its wrappers included)."""
+        caller = getattr(self.hook, hook_name)
+        others = {impl.plugin for impl in caller.get_hookimpls() if impl.plugin is not plugin}
+        return self.subset_hook_caller(hook_name, remove_plugins=others)
 
     def _trace(self, text: str) -> None:
         if self._tracing:
             sys.stderr.write(text)
 
     def _call_register(self, info: PluginInfo, hook_name: str, kind: type) -> list:
-        """Call one plugin's register hook directly, so every spec is attributed
-        to the plugin (and distribution) that registered it."""
+        """Call one plugin's register hook, so every spec is attributed to the
+        plugin (and distribution) that registered it."""
         specs: list = []
-        impl = self._impl_of(info.plugin, hook_name)
-        if impl is None:
-            return specs
 
         def register(spec: Any) -> None:
             if not isinstance(spec, kind):
@@ -357,19 +423,16 @@ class TitanPluginManager(pluggy.PluginManager):
             specs.append(spec)
 
         self._trace(f"  {hook_name} [{info.name} from {info.dist}]\n")
-        impl.function(**{arg: register for arg in impl.argnames})
+        self._hook_of(info.plugin, hook_name)(register=register)
         self._trace(f"  finish {hook_name} --> {[s.name for s in specs]}\n")
         return specs
 
     def _call_searchpath(self, info: PluginInfo) -> list[str]:
-        impl = self._impl_of(info.plugin, "titan_config_searchpath")
-        if impl is None:
-            return []
         self._trace(f"  titan_config_searchpath [{info.name} from {info.dist}]\n")
-        result = impl.function()
-        if result is None:
-            return []
-        entries = [result] if isinstance(result, str) else list(result)
+        results = self._hook_of(info.plugin, "titan_config_searchpath")()
+        entries: list[Any] = []
+        for result in results:  # pluggy leaves out None results
+            entries.extend([result] if isinstance(result, str) else list(result))
         for entry in entries:
             if not isinstance(entry, str) or "://" not in entry:
                 raise TypeError(
@@ -399,24 +462,22 @@ class TitanPluginManager(pluggy.PluginManager):
         models = self.models()
         if name in models:
             return models[name]
-        duplicate = next((e for e in self.errors if f"model {name!r} is registered by both" in e), None)
-        if duplicate:
-            raise DuplicateModelError(duplicate)
-        close = difflib.get_close_matches(str(name), list(models), n=1, cutoff=0.5)
-        if not close:
-            close = [m for m in sorted(models) if str(name) and (m.startswith(str(name)) or str(name) in m)][:1]
-        hint = f"; did you mean {close[0]!r}?" if close else ""
+        clash = next((f for f in self.failures
+                      if f.kind is FailureKind.MODEL_CLASH and f.subject == name), None)
+        if clash is not None:
+            raise DuplicateModelError(clash.line())
         known = ", ".join(sorted(models)) or "none installed"
         raise UnknownModelError(
-            f"model={name} is not provided by any installed plugin{hint} (installed: {known})"
+            f"model={name} is not provided by any installed plugin{did_you_mean(str(name), models)} "
+            f"(installed: {known})"
         )
 
     def raise_on_errors(self) -> None:
         """Strict mode (training): any load error stops the run."""
         self._collect()
-        if self.errors:
-            more = f" (and {len(self.errors) - 1} more)" if len(self.errors) > 1 else ""
-            raise PluginLoadError(self.errors[0] + more)
+        if self.failures:
+            more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            raise PluginLoadError(self.failures[0].line() + more)
 
 
 def _dist_name_version(dist: Any) -> tuple[str, str]:
@@ -433,7 +494,7 @@ def iter_entry_points() -> Iterator[tuple[Any, Any]]:
     for dist in metadata.distributions():
         try:
             eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
-        except Exception:  # a distribution with broken metadata
+        except Exception:  # a distribution with broken metadata: not ours to report
             continue
         for ep in eps:
             key = (ep.name, ep.value)
@@ -441,9 +502,6 @@ def iter_entry_points() -> Iterator[tuple[Any, Any]]:
                 continue
             seen.add(key)
             yield ep, dist
-
-
-_iter_entry_points = iter_entry_points  # the name the first version used
 
 
 def _core_version() -> str:

@@ -9,7 +9,6 @@ loader holds no samples between batches, so nothing is lost on resume).
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -17,16 +16,15 @@ import torch
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import DatasetSpec, resolve
+from titan_plugins.suggest import did_you_mean
 
 
 def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
     """The spec registered as ``name``; a ConfigError with a suggestion if none is."""
     if name in datasets:
         return datasets[name]
-    close = difflib.get_close_matches(name, list(datasets), n=1)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
     raise ConfigError(
-        f"data.name={name!r} is not a registered dataset{hint} "
+        f"data.name={name!r} is not a registered dataset{did_you_mean(name, datasets)} "
         f"(choose from: {', '.join(sorted(datasets)) or 'none'})"
     )
 
