@@ -126,6 +126,8 @@ def test_published_config_maps_to_the_671b_shapes_and_back():
     back = config_to_hf(cfg)
     again = transformers.AutoConfig.for_model(**back).to_dict()  # transformers reads what we write
     assert config_from_hf(again) == config_from_hf(back)
+    # absent fields mean transformers' defaults, not the flavor's
+    assert config_from_hf({"model_type": "deepseek_v3"}) == config_from_hf(transformers.DeepseekV3Config().to_dict())
     with pytest.raises(ConfigError, match="quantization_config"):
         config_from_hf({**DEEPSEEK_V3, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ConfigError, match="score_func='softmax'"):
@@ -155,3 +157,27 @@ def test_unhonourable_fields_fail_in_one_line(tmp_path, capsys):
     assert main(["model=deepseek_v3", f"model.hf={folder}", *SYNTH]) == 2  # before any rank starts
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "config.json: rope_parameters.truncate=False" in err, err
+
+
+SHARDED = [{"dp_shard": 2, "ep": 2}, {"tp": 2}]  # 2 ranks: FSDP x EP (each rank its 4 experts), TP
+
+
+@pytest.mark.slow
+def test_sharded_load_matches_one_rank_load(workdir):
+    import socket
+
+    import deepseek_v3_hf_worker
+    import torch.multiprocessing as mp
+
+    hf_folder(workdir / "hf")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(deepseek_v3_hf_worker.main, args=(2, port, str(workdir / "hf"), SHARDED, str(workdir)),
+             nprocs=2, join=True)
+    results = torch.load(workdir / "results.pt")
+    assert "error" not in results[-1], results[-1]["error"]
+    for par, result in zip(SHARDED, results, strict=True):
+        assert result["read_whole"] == 0 and result["kept"] == 0, (par, result)  # only the rank's slices
+        assert result["max_logits_diff"] <= 1e-5, (par, result)
+    assert results[0]["local_experts"] == 4  # EP: half of the 8 experts on each rank

@@ -47,6 +47,16 @@ _FIXED: dict[str, Any] = {
     "topk_method": "noaux_tc",
     "moe_layer_freq": 1,
 }
+# transformers 5's DeepseekV3Config defaults: a field absent from config.json means these
+# (not the flavor's value), as it does for DeepseekV3ForCausalLM.
+_HF_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61, "num_attention_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
@@ -111,9 +121,11 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """Values for ``DeepSeekV3Config`` from a DeepSeek-V3 config.json."""
+    """Values for ``DeepSeekV3Config`` from a DeepSeek-V3 config.json (every field the
+    model depends on: absent ones take transformers' defaults, as they would there)."""
     if hf.get("model_type") != "deepseek_v3":
         raise _bad("model_type", hf.get("model_type"), "the deepseek_v3 plugin reads deepseek_v3 only")
+    hf = {**_HF_DEFAULTS, **hf}
     for field, value in _FIXED.items():
         if hf.get(field) is not None and hf[field] != value:
             raise _bad(field, hf[field], f"the deepseek_v3 plugin implements only {value!r}")
@@ -148,15 +160,14 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if hf.get(field) is not None:
             section[ours] = _int(field, hf[field])
     used.update({"q_lora_rank", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"})
-    if "q_lora_rank" in hf:  # null: one full-rank q projection
-        attention["q_lora_rank"] = _int("q_lora_rank", hf["q_lora_rank"] or 0)
+    attention["q_lora_rank"] = _int("q_lora_rank", hf["q_lora_rank"] or 0)  # null: one full-rank wq
     groups = hf.get("n_group") or 1
     if groups > 1:
         moe["num_expert_groups"] = _int("n_group", groups)
         moe["num_limited_groups"] = _int("topk_group", hf.get("topk_group") or 1)
     else:  # one group: transformers' group limit keeps everything
         moe["num_expert_groups"] = moe["num_limited_groups"] = None
-    moe["route_norm"] = bool(hf.get("norm_topk_prob", True))
+    moe["route_norm"] = bool(hf["norm_topk_prob"])
     if hf.get("routed_scaling_factor") is not None:
         moe["route_scale"] = float(hf["routed_scaling_factor"])
 
