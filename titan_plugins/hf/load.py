@@ -25,6 +25,7 @@ keep what ``init_weights`` gave them (the adapter's ``from_hf`` defaults).
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 from contextlib import ExitStack
@@ -184,7 +185,10 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: Any, config: Any, folder
     their initial values: Hugging Face has no such tensor)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-    adapter = spec.load("state_dict_adapter")(config)
+    adapter_cls = spec.load("state_dict_adapter")
+    # TorchTitan's adapter signature: an adapter taking hf_assets_path learns the folder (its layout)
+    takes_folder = "hf_assets_path" in inspect.signature(adapter_cls).parameters
+    adapter = adapter_cls(config, hf_assets_path=str(folder)) if takes_folder else adapter_cls(config)
     loaded = kept = sliced = 0
     with HFCheckpoint(folder) as ckpt:
         for part in parts:

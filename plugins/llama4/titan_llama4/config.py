@@ -64,6 +64,10 @@ class Llama4Config:
     vocab_size: int = 2048
     multiple_of: int = 256  # SwiGLU hidden sizes round up to a multiple of this
     ffn_dim_multiplier: float | None = None
+    # Explicit SwiGLU hidden sizes (a Hugging Face config.json states them: intermediate_size_mlp
+    # and intermediate_size); None: TorchTitan's rule from dim, ffn_dim_multiplier, multiple_of.
+    hidden_dim: int | None = None  # dense layers
+    moe_inter_dim: int | None = None  # each routed expert (and the shared expert)
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
     rope_scaling: RoPEScaling = field(default_factory=lambda: RoPEScaling(enabled=False))
@@ -74,7 +78,17 @@ class Llama4Config:
     # iRoPE: every n-th layer (0, n, 2n, ...) has no rotary embedding and full causal
     # attention; the others attend causally within chunks of fixed_attn_block_size.
     every_n_layers_nope: int | None = None
-    fixed_attn_block_size: int = 8192
+    # Hugging Face's placement (its no_rope_layers; its default is every (i + 1) % 4 == 0):
+    # the layer indices without RoPE. Set (even empty), it replaces every_n_layers_nope.
+    nope_layers: list[int] | None = None
+    fixed_attn_block_size: int | None = 8192  # None: RoPE layers attend fully (HF attention_chunk_size=null)
+    # Llama 4 Scout's extras, off in TorchTitan: L2-normalised q and k (no weights, eps
+    # norm_eps) after RoPE on RoPE layers; query temperature on NoPE layers, scaled by
+    # 1 + attn_scale * log1p(floor((position + 1) / floor_scale)).
+    qk_norm: bool = False
+    attn_temperature_tuning: bool = False
+    floor_scale: int = 8192
+    attn_scale: float = 0.1
     attn_backend: AttentionBackend = AttentionBackend.auto
     # block_causal (TorchTitan's irope flavors): no attention across documents, each
     # ending at eos_id. 2047 is the shipped tokenizer's <|eos|> (the debug flavors'
@@ -82,9 +96,11 @@ class Llama4Config:
     attn_mask: AttentionMask = AttentionMask.causal
     eos_id: int = 2047
 
-    # MoE: layer i is an MoE block when (i + 1) % interleave_moe_layer_step == 0.
+    # MoE: layer i is an MoE block when (i + 1) % interleave_moe_layer_step == 0,
+    # or, where moe_layers is set (Hugging Face's list), when i is in moe_layers.
     moe: MoEConfig = field(default_factory=MoEConfig)
     interleave_moe_layer_step: int = 2
+    moe_layers: list[int] | None = None
     # Divide the experts' hidden size by top_k + num_shared_experts (TorchTitan's default).
     auto_scale_hidden_dim: bool = True
 
@@ -106,27 +122,40 @@ class Llama4Config:
     @property
     def ffn_hidden_dim(self) -> int:
         """Dense SwiGLU hidden size: 2/3 of 4*dim, times the multiplier, rounded up."""
+        if self.hidden_dim is not None:
+            return self.hidden_dim
         m = self.multiple_of
         return m * ((self._swiglu_base() + m - 1) // m)
 
     @property
     def moe_hidden_dim(self) -> int:
         """Per-expert hidden size (the shared expert has num_shared_experts times this)."""
+        if self.moe_inter_dim is not None:
+            return self.moe_inter_dim
         hidden = self._swiglu_base()
         if self.auto_scale_hidden_dim:
             hidden = int(hidden / (self.moe.top_k + self.moe.num_shared_experts))
         return hidden + (-hidden % self.multiple_of)
 
     def is_moe_layer(self, layer_id: int) -> bool:
+        if self.moe_layers is not None:
+            return layer_id in self.moe_layers
         return (layer_id + 1) % self.interleave_moe_layer_step == 0
 
+    @property
+    def irope(self) -> bool:
+        """Some layers may go without RoPE, the others attend within chunks."""
+        return self.nope_layers is not None or self.every_n_layers_nope is not None
+
     def uses_rope(self, layer_id: int) -> bool:
+        if self.nope_layers is not None:
+            return layer_id not in self.nope_layers
         n = self.every_n_layers_nope
         return n is None or layer_id % n != 0
 
     def attn_chunk_size(self, layer_id: int) -> int | None:
         """Chunk of the local attention of layer ``layer_id``; None for full causal."""
-        if self.every_n_layers_nope is None or not self.uses_rope(layer_id):
+        if not self.irope or not self.uses_rope(layer_id):
             return None
         return self.fixed_attn_block_size
 
@@ -144,6 +173,14 @@ class Llama4Config:
             )
         if self.every_n_layers_nope is not None and self.every_n_layers_nope <= 1:
             raise ConfigError(f"model.every_n_layers_nope={self.every_n_layers_nope} must be > 1")
+        for key in ("nope_layers", "moe_layers"):
+            bad = [i for i in getattr(self, key) or () if not 0 <= i < self.n_layers]
+            if bad:
+                raise ConfigError(f"model.{key} holds layer {bad[0]}, outside [0, model.n_layers={self.n_layers})")
+        for key in ("fixed_attn_block_size", "floor_scale", "hidden_dim", "moe_inter_dim"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ConfigError(f"model.{key}={value} must be >= 1")
         if self.interleave_moe_layer_step < 1:
             raise ConfigError(
                 f"model.interleave_moe_layer_step={self.interleave_moe_layer_step} must be >= 1"

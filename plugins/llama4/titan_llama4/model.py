@@ -86,17 +86,34 @@ class InnerAttention(nn.Module):
     without documents use SDPA's ``is_causal``; masked layers (chunks, documents) use
     flex attention on CUDA (``auto``/``flex``) or SDPA with the same mask as a boolean
     tensor (flex attention has no CPU backward).
+
+    Hugging Face's Llama 4 extras (``Llama4TextAttention``): ``qk_norm_eps`` L2-normalises
+    q and k after RoPE; ``temperature`` ``(floor_scale, attn_scale)`` scales the queries
+    of a NoPE layer by ``1 + attn_scale * log1p(floor((position + 1) / floor_scale))``.
     """
 
-    def __init__(self, use_rope: bool, chunk_size: int | None, backend: str):
+    def __init__(
+        self,
+        use_rope: bool,
+        chunk_size: int | None,
+        backend: str,
+        qk_norm_eps: float | None = None,
+        temperature: tuple[int, float] | None = None,
+    ):
         super().__init__()
         self.use_rope = use_rope
         self.chunk_size = chunk_size
         self.backend = backend
+        self.qk_norm_eps = qk_norm_eps if use_rope else None
+        self.temperature = None if use_rope else temperature
 
     def forward(self, q, k, v, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         if self.use_rope:
             q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        if self.qk_norm_eps is not None:
+            q, k = (F.rms_norm(t.float(), (t.shape[-1],), eps=self.qk_norm_eps).type_as(t) for t in (q, k))
+        if self.temperature is not None:
+            q = self._tune_temperature(q, cache.parent.pos if cache is not None else 0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
         seq = q.shape[2]
@@ -120,6 +137,12 @@ class InnerAttention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return out.transpose(1, 2)
 
+    def _tune_temperature(self, q: torch.Tensor, start: int) -> torch.Tensor:
+        floor_scale, attn_scale = self.temperature
+        positions = torch.arange(start, start + q.shape[1], device=q.device, dtype=torch.float32)
+        scales = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
+        return (q * scales.view(1, -1, 1, 1)).to(q.dtype)
+
 
 class Attention(nn.Module):
     def __init__(self, config: Llama4Config, layer_id: int):
@@ -130,7 +153,11 @@ class Attention(nn.Module):
         self.wv = nn.Linear(config.dim, config.kv_heads * hd, bias=False)
         self.wo = nn.Linear(config.n_heads * hd, config.dim, bias=False)
         self.inner_attention = InnerAttention(
-            config.uses_rope(layer_id), config.attn_chunk_size(layer_id), config.attn_backend.value
+            config.uses_rope(layer_id),
+            config.attn_chunk_size(layer_id),
+            config.attn_backend.value,
+            qk_norm_eps=config.norm_eps if config.qk_norm else None,
+            temperature=(config.floor_scale, config.attn_scale) if config.attn_temperature_tuning else None,
         )
         self.compute_dtype: torch.dtype | None = None
 

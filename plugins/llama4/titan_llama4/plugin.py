@@ -19,6 +19,8 @@ def titan_register_models(register):
             state_dict_adapter="titan_llama4.state_dict_adapter:Llama4StateDictAdapter",
             flops="titan_llama4.config:flops",
             optimizer_hooks="titan_plugins.components.moe:build_load_balance_hooks",
+            config_from_hf="titan_llama4.hf_config:config_from_hf",
+            config_to_hf="titan_llama4.hf_config:config_to_hf",
             pipeline=PipelineInfo(
                 layers_attr="layers",
                 first_stage_modules=("tok_embeddings",),

@@ -1,26 +1,33 @@
 """State-dict names: this model <-> TorchTitan (identical) <-> Hugging Face Llama 4 text.
 
 Our names are TorchTitan's, so ``to_torchtitan``/``from_torchtitan`` only drop what
-is not a checkpoint entry. Hugging Face's ``Llama4ForConditionalGeneration`` keeps
-the text model under ``language_model.`` and stores the routed experts as
+is not a checkpoint entry. Hugging Face stores the routed experts as
 ``gate_up_proj (E, dim, 2*hidden)`` and ``down_proj (E, hidden, dim)``, i.e.
 transposed and with w1/w3 concatenated; ``expert_bias`` has no HF counterpart
 (``to_hf`` drops it, as TorchTitan's adapter does; ``from_hf`` re-creates it as zeros).
+
+Two layouts: ``Llama4ForCausalLM`` (``model.layers...``, ``lm_head.weight``), which
+``to_hf`` writes (and ``config_to_hf`` describes), and ``Llama4ForConditionalGeneration``
+(the same under ``language_model.``, next to a vision tower that is not loaded).
+``from_hf`` reads both. Given ``hf_assets_path`` (the folder being loaded), ``to_hf``
+uses that folder's layout, so a sharded load finds the names the folder holds.
 """
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 __all__ = ["Llama4StateDictAdapter"]
 
-_HF = "language_model.model.layers.{}."
-# our name (with {} for the layer) -> HF name
+_HF = "model.layers.{}."
+# our name (with {} for the layer) -> HF name (Llama4ForCausalLM)
 _TO_HF = {
-    "tok_embeddings.weight": "language_model.model.embed_tokens.weight",
-    "norm.weight": "language_model.model.norm.weight",
-    "output.weight": "language_model.lm_head.weight",
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
     "layers.{}.attention.wq.weight": _HF + "self_attn.q_proj.weight",
     "layers.{}.attention.wk.weight": _HF + "self_attn.k_proj.weight",
     "layers.{}.attention.wv.weight": _HF + "self_attn.v_proj.weight",
@@ -40,6 +47,8 @@ _GATE_UP = _HF + "feed_forward.experts.gate_up_proj"
 _DOWN = _HF + "feed_forward.experts.down_proj"
 _NO_HF = ("layers.{}.moe.expert_bias",)
 _LAYER = re.compile(r"(?<=layers\.)(\d+)(?=\.)")
+_MULTIMODAL = "language_model."  # Llama4ForConditionalGeneration's text model
+_VISION = ("vision_model.", "multi_modal_projector.")
 
 
 def _template(key: str) -> tuple[str, str | None]:
@@ -49,12 +58,21 @@ def _template(key: str) -> tuple[str, str | None]:
     return key[: match.start()] + "{}" + key[match.end() :], match.group(1)
 
 
+def _folder_prefix(folder: str | None) -> str:
+    """``language_model.`` for a multimodal folder (config.json's model_type llama4)."""
+    config = Path(folder) / "config.json" if folder else None
+    if config is None or not config.is_file():
+        return ""
+    return _MULTIMODAL if json.loads(config.read_text()).get("model_type") == "llama4" else ""
+
+
 class Llama4StateDictAdapter:
     """Constructed with the model config; works on plain tensors (full state dicts)."""
 
     def __init__(self, config: Any = None, hf_assets_path: str | None = None):
         self.config = config
         self.hf_assets_path = hf_assets_path
+        self.prefix = _folder_prefix(hf_assets_path)
 
     # ---------------------------------------------------------- TorchTitan
     def to_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
@@ -86,12 +104,14 @@ class Llama4StateDictAdapter:
             out[_GATE_UP.format(layer)] = _cat_last(
                 parts["w1"].transpose(-1, -2), parts["w3"].transpose(-1, -2)
             )
-        return out
+        return {self.prefix + k: v for k, v in out.items()}
 
     def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for key, value in hf_state_dict.items():
-            template, layer = _template(key)
+            if key.startswith(_VISION):  # the multimodal model's vision tower: not ours
+                continue
+            template, layer = _template(key.removeprefix(_MULTIMODAL))
             if template in _FROM_HF:
                 out[_FROM_HF[template].format(layer)] = value
             elif template == _GATE_UP:

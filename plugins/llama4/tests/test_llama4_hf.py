@@ -1,0 +1,153 @@
+"""Llama 4 from and to a Hugging Face folder (``model.hf``, ``titan-export``): config.json
+mapping, strict weight load through the adapter, logits equal to transformers' in fp32
+(eager attention) with HF's NoPE placement, qk L2-norm, attention temperature, chunked
+attention, llama3 RoPE scaling and interleaved MoE layers all on.
+
+The folders are tiny random models built by transformers from a config and written
+with ``save_pretrained`` (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+from titan_llama4.config import FLAVORS  # noqa: E402
+from titan_llama4.hf_config import config_from_hf, config_to_hf  # noqa: E402
+from titan_llama4.model import build  # noqa: E402
+
+from titan_plugins.config.hydra_glue import model_config  # noqa: E402
+from titan_plugins.errors import ConfigError  # noqa: E402
+from titan_plugins.hf.export import export_folder  # noqa: E402
+from titan_plugins.hf.load import load_hf_weights  # noqa: E402
+from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.train.api import prepare_job  # noqa: E402
+
+VOCAB = 96
+TEXT = dict(  # 4 layers: dense, MoE, dense, MoE + NoPE (HF's default placement: (i + 1) % 4 == 0)
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=24, intermediate_size_mlp=48, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+    interleave_moe_layer_step=2, attention_chunk_size=5, use_qk_norm=True, attn_temperature_tuning=True,
+    floor_scale=3, attn_scale=0.5, eos_token_id=5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+)
+SYNTH = ["data.name=synthetic", f"data.vocab_size={VOCAB}", "training.seq_len=16"]
+TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+
+
+def hf_folder(tmp_path, multimodal: bool = False, **extra):
+    """A saved random model: Llama4ForCausalLM, or the multimodal Llama4ForConditionalGeneration."""
+    torch.manual_seed(0)
+    text = transformers.Llama4TextConfig(**{**TEXT, **extra})
+    if multimodal:
+        vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      image_size=28, patch_size=14, vision_output_dim=16, projector_input_dim=16,
+                      projector_output_dim=16, rope_theta=10000)
+        model = transformers.Llama4ForConditionalGeneration(
+            transformers.Llama4Config(text_config=text.to_dict(), vision_config=vision))
+    else:
+        model = transformers.Llama4ForCausalLM(text)
+    model.config._attn_implementation = "eager"
+    model.eval()
+    with torch.no_grad():  # random (not HF's near-zero init) so every weight matters
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    folder = tmp_path / ("multimodal" if multimodal else "text")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def load_ours(folder, *overrides):
+    spec, job, _ = prepare_job(["model=llama4", f"model.hf={folder}", *SYNTH, *overrides], get_plugin_manager())
+    cfg = model_config(job.model, spec)
+    model = spec.load("build")(cfg)
+    with torch.no_grad():
+        model.init_weights()
+    counts = load_hf_weights([model], spec, cfg, folder)
+    return job, cfg, model.eval(), counts
+
+
+def logits_diff(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("multimodal", [False, True], ids=["causal_lm", "conditional_generation"])
+def test_logits_equal_transformers_and_export_loads_strictly(tmp_path, multimodal):
+    folder, ref = hf_folder(tmp_path, multimodal)
+    job, cfg, ours, counts = load_ours(folder)
+    assert cfg.nope_layers == [3] and cfg.qk_norm and cfg.attn_temperature_tuning and cfg.floor_scale == 3
+    assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
+    assert (cfg.ffn_hidden_dim, cfg.moe_hidden_dim, cfg.kv_heads, cfg.fixed_attn_block_size) == (48, 24, 2, 5)
+    assert counts["kept"] == 0 and counts["loaded"] == len(ours.state_dict())  # expert_bias: from_hf's zeros
+    text_model = ref.language_model if multimodal else ref  # (transformers 5.24's multimodal forward
+    with torch.no_grad():                                  # fails on text alone; its text model is this)
+        want = text_model(TOKENS).logits
+        got = ours(TOKENS)
+    assert logits_diff(got, want) <= 1e-5
+    # each setting matters: without it the logits move (the comparison above can fail)
+    for change in () if multimodal else ({"qk_norm": False}, {"attn_temperature_tuning": False},
+                                         {"nope_layers": []}):
+        other = build(replace(cfg, **change))
+        other.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            assert logits_diff(other.eval()(TOKENS), want) > 1e-3, change
+
+    spec = get_plugin_manager().get_model("llama4")
+    out = export_folder(spec, cfg, job, ours.state_dict(), tmp_path / "exported")
+    again, info = transformers.AutoModelForCausalLM.from_pretrained(
+        out, output_loading_info=True, attn_implementation="eager"
+    )
+    assert type(again) is transformers.Llama4ForCausalLM and not any(info.values()), info
+    with torch.no_grad():
+        assert logits_diff(again.eval()(TOKENS).logits, got) <= 1e-5
+
+
+def test_config_round_trip_loads_in_transformers():
+    """Every flavor's config.json loads in transformers and maps back to the flavor's values."""
+    from omegaconf import OmegaConf
+
+    for name, flavor in FLAVORS.items():
+        hf = transformers.AutoConfig.for_model(**config_to_hf(flavor)).to_dict()
+        values = config_from_hf(hf)
+        back = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(flavor), values))
+        assert config_to_hf(back) == config_to_hf(flavor), name
+        for key in ("ffn_hidden_dim", "moe_hidden_dim", "head_dim"):
+            assert getattr(back, key) == getattr(flavor, key), (name, key)
+        assert [back.uses_rope(i) for i in range(flavor.n_layers)] == [
+            flavor.uses_rope(i) for i in range(flavor.n_layers)], name
+    # a multimodal config.json reads its text_config
+    multimodal = transformers.Llama4Config(text_config=TEXT).to_dict()
+    assert config_from_hf(multimodal) == config_from_hf(transformers.Llama4TextConfig(**TEXT).to_dict())
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_act", "gelu"), ("attention_bias", True), ("tie_word_embeddings", True),
+     ("quantization_config", {}), ("head_dim", 32), ("layer_types", ["chunked_attention"] * 6),
+     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})],
+)
+def test_unhonourable_field_is_one_error(tmp_path, field, value):
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    data = config_to_hf(FLAVORS["debugmodel"])
+    (folder / "model.safetensors").write_bytes(b"")  # never read: config.json fails first
+    data[field] = value
+    (folder / "config.json").write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as err:
+        prepare_job(["model=llama4", f"model.hf={folder}", *SYNTH], get_plugin_manager())
+    msg = str(err.value)
+    assert "\n" not in msg and f"config.json: {field}" in msg and "model.hf=" in msg, msg
+
+
+def test_export_refuses_routing_without_hf_equivalent():
+    from titan_plugins.components.moe.config import ScoreFunc
+
+    flavor = FLAVORS["debugmodel"]
+    with pytest.raises(ConfigError, match="model.moe.score_func='softmax'"):
+        config_to_hf(replace(flavor, moe=replace(flavor.moe, score_func=ScoreFunc.softmax)))
