@@ -4,8 +4,8 @@ of what plugins hand over (models, datasets, Hydra search-path entries).
 Nothing here is module-global: ``get_plugin_manager()`` builds a fresh manager,
 so tests can make their own and register plugin objects without installing them.
 
-Every failure a plugin can cause is kept as one ``PluginFailure`` record (the
-plugin, its module, ``dist==version`` and the reason) in ``pm.failures`` and
+Every failure a plugin can cause is kept as one ``PluginFailure`` record
+(``plugin_failures``: the plugin, its module, ``dist==version`` and the reason) in ``pm.failures`` and
 leaves the other plugins usable. Records become lines only where they are shown:
 ``pm.errors`` (``titan-plugins list``, lenient) and ``raise_on_errors()``, which
 turns the first into a ``PluginLoadError`` (strict mode, used for training).
@@ -13,10 +13,8 @@ turns the first into a ``PluginLoadError`` (strict mode, used for training).
 
 from __future__ import annotations
 
-import enum
 import importlib
 import importlib.metadata as metadata
-import inspect
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -28,6 +26,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from titan_plugins import hookspecs
 from titan_plugins.errors import DuplicateModelError, PluginLoadError, UnknownModelError
+from titan_plugins.plugin_failures import FailureKind, PluginFailure, one_line
 from titan_plugins.spec import DatasetSpec, ModelSpec
 from titan_plugins.suggest import did_you_mean
 
@@ -60,64 +59,6 @@ def _env_list(name: str) -> set[str] | None:
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
-def one_line(exc: BaseException) -> str:
-    """``TypeName: message`` on one line (multi-line messages are joined)."""
-    if isinstance(exc, pluggy.PluginValidationError):
-        return _explain_validation_error(exc)
-    parts = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    detail = "; ".join(parts)
-    return f"{type(exc).__name__}: {detail}" if detail else type(exc).__name__
-
-
-def _explain_validation_error(exc: pluggy.PluginValidationError) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    hook = next((line.split("for hook", 1)[1].strip().strip("'") for line in lines
-                 if "for hook" in line), None)
-    spec = getattr(hookspecs, hook, None) if hook else None
-    rest = "; ".join(line for line in lines[1:] if not line.startswith("hookimpl definition"))
-    if spec is not None:
-        rest = f"{rest} (the spec is {hook}{inspect.signature(spec)})"
-    return f"PluginValidationError: hook {hook!r}: {rest}" if hook else "PluginValidationError: " + "; ".join(lines)
-
-
-class FailureKind(enum.Enum):
-    """What went wrong, which decides how a record reads as a line."""
-
-    PLUGIN = "plugin"  # the plugin itself: import, registration, a hook that raised
-    MODEL_CLASH = "model-clash"  # two plugins registered one model name (``subject``)
-    DATASET_CLASH = "dataset-clash"  # two plugins registered one dataset name (``subject``)
-    HOOKS = "hooks"  # pluggy's check_pending after loading
-
-
-@dataclass(frozen=True)
-class PluginFailure:
-    """One thing a plugin got wrong; a line only when shown (:meth:`line`)."""
-
-    plugin: str
-    module: str
-    dist: str
-    version: str
-    reason: str  # ``TypeName: message`` on one line (a clash: the whole sentence)
-    kind: FailureKind = FailureKind.PLUGIN
-    subject: str | None = None  # the model or dataset name of a clash
-    collected: bool = False  # found while collecting registrations (recomputed with them)
-
-    @property
-    def origin(self) -> str:
-        return f"plugin {self.plugin!r} ({self.module}) from {self.dist}=={self.version}"
-
-    @property
-    def key(self) -> tuple[str, str, str, str]:
-        return (self.plugin, self.module, self.dist, self.version)
-
-    def line(self) -> str:
-        if self.kind is FailureKind.PLUGIN:
-            return f"{self.origin} failed to load: {self.reason}"
-        if self.kind is FailureKind.HOOKS:
-            return f"hook validation failed: {self.reason}"
-        return self.reason
 
 
 @dataclass
