@@ -151,3 +151,24 @@ def test_export_refuses_routing_without_hf_equivalent():
     flavor = FLAVORS["debugmodel"]
     with pytest.raises(ConfigError, match="model.moe.score_func='softmax'"):
         config_to_hf(replace(flavor, moe=replace(flavor.moe, score_func=ScoreFunc.softmax)))
+
+
+def test_cached_decoding_equals_full_forward_with_hf_settings():
+    """Temperature (by absolute position), qk-norm and chunks under the KV cache: a prompt
+    then one token at a time gives the full forward's logits."""
+    from titan_plugins.generate import KVCache
+
+    values = config_from_hf(transformers.Llama4TextConfig(**TEXT).to_dict())
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS["debugmodel"]), values))
+    torch.manual_seed(0)
+    model = build(cfg)
+    with torch.no_grad():
+        model.init_weights()
+        want = model.eval()(TOKENS)
+        cache, got = KVCache(), []
+        for start, end in [(0, 7)] + [(i, i + 1) for i in range(7, TOKENS.shape[1])]:
+            got.append(model(TOKENS[:, start:end], cache=cache))
+            cache.advance(end - start)
+    assert logits_diff(torch.cat(got, dim=1), want) <= 1e-5
