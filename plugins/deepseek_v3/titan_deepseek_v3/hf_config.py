@@ -79,8 +79,9 @@ def _rope_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """``layer.rope`` values from ``rope_parameters`` (or legacy ``rope_scaling`` + ``rope_theta``)."""
     key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
     rope = dict(hf.get(key) or {})
-    for name in sorted(set(rope) - _ROPE_KEYS):
-        raise _bad(f"{key}.{name}", rope[name], "not understood by the deepseek_v3 plugin")
+    unknown = sorted(set(rope) - _ROPE_KEYS)
+    if unknown:
+        raise _bad(f"{key}.{unknown[0]}", rope[unknown[0]], "not understood by the deepseek_v3 plugin")
     out: dict[str, Any] = {}
     theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is not None:
