@@ -111,3 +111,18 @@ def test_plugin_and_config_import_without_torch():
         "titan_deepseek_v3.flops; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_hf_numerics_fields_default_to_torchtitan():
+    from titan_deepseek_v3.config import to_torchtitan
+
+    config = make_config(max_seq_len=64)
+    assert not config.yarn_enabled and config.layer.norm.latent == config.layer.norm.eps
+    assert config.layer.norm.final_eps is None and config.layer.rope.attention_factor == 1.0
+    assert make_config(max_seq_len=64, scaling="yarn").yarn_enabled
+    assert not make_config(max_seq_len=8192, scaling="none").yarn_enabled
+    to_torchtitan(config)
+    with pytest.raises(ConfigError, match="latent_eps=1e-06"):
+        to_torchtitan(make_config(latent_eps=1e-6))
+    with pytest.raises(ConfigError, match="final_eps=0"):
+        make_config(final_eps=0.0)
