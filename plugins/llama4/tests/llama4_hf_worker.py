@@ -1,0 +1,85 @@
+"""Rank code for the sharded Hugging Face load check (spawned by test_llama4_hf.py).
+
+Per case every rank loads the folder whole into a single-process model (the
+reference), and the parallel model as the trainer builds it (meta build ->
+parallelize -> ``to_empty`` -> ``init_weights`` -> ``load_hf_weights``, reading
+the rank's slices where the layouts allow), then compares logits. qwen3's worker,
+for Llama 4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import warnings
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from titan_llama4.config import FLAVORS
+from titan_llama4.hf_config import config_from_hf
+from titan_llama4.model import build
+from titan_llama4.parallelize import parallelize
+from torch.distributed.tensor import DTensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titan_plugins.config.schema import JobConfig, ParallelismConfig
+from titan_plugins.distributed.parallel_dims import ParallelDims
+from titan_plugins.distributed.teardown import destroy_process_groups
+from titan_plugins.hf.load import load_hf_weights
+from titan_plugins.plugins import get_plugin_manager
+
+
+def _config(folder: str):
+    values = config_from_hf(json.loads(open(os.path.join(folder, "config.json")).read()))
+    values["attn_backend"] = "sdpa"
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS["debugmodel"]), values))
+
+
+def check(folder: str, par: dict, spec) -> dict:
+    cfg = _config(folder)
+    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
+    dims.build_meshes("cpu")
+    job = OmegaConf.structured(JobConfig(model={}))
+    for key, value in par.items():
+        job.parallelism[key] = value
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
+
+    ref = build(cfg)
+    with torch.no_grad():
+        ref.init_weights()
+    load_hf_weights([ref], spec, cfg, folder)
+    with torch.device("meta"):
+        model = build(cfg)
+    model = parallelize(model, dims, job)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(torch.device("cpu"))
+    counts = load_hf_weights([model], spec, cfg, folder)
+    sharded = sum(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for v in model.state_dict().values())
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        want = ref(tokens)
+        got = model(tokens)
+    got = got.full_tensor() if isinstance(got, DTensor) else got
+    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded, **counts}
+
+
+def main(rank: int, world: int, port: int, folder: str, cases: list[dict], result_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="DTensor random operators")
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    spec = get_plugin_manager().get_model("llama4")
+    results, finished = [], False
+    try:
+        for par in cases:
+            results.append(check(folder, par, spec))
+        finished = True
+    except Exception:
+        results.append({"error": traceback.format_exc()})
+        raise
+    finally:
+        if rank == 0:
+            torch.save(results, os.path.join(result_dir, "results.pt"))
+        destroy_process_groups(synchronize=finished)
