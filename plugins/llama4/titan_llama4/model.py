@@ -5,7 +5,8 @@ without rotary embedding and with full causal attention, chunked local attention
 elsewhere), optional document masking (``block_causal``: no attention across an
 ``eos_id``, as in TorchTitan's irope flavors), and dense SwiGLU blocks interleaved with MoE blocks (shared component).
 Parameter names, shapes and the init scheme are TorchTitan's, so its checkpoints
-load as they are. Tensor parallelism is installed from outside (``parallelize.py``);
+load as they are. Hugging Face's Llama 4 extras (qk L2-norm, query temperature on
+NoPE layers, its NoPE placement) are config options, off in TorchTitan's flavors. Tensor parallelism is installed from outside (``parallelize.py``);
 under it the hidden states are DTensors and only ``inner_attention`` (rotary
 embedding + kernel) sees plain local tensors.
 """
