@@ -18,6 +18,13 @@ class Dtype(str, Enum):
     float16 = "float16"
 
 
+class Float8Recipe(str, Enum):
+    """torchao float8 training scales (titan_plugins/distributed/float8.py)."""
+
+    tensorwise = "tensorwise"  # one scale per tensor; FSDP all-gathers weights in float8
+    rowwise = "rowwise"  # one scale per row: more accurate, bf16 all-gathers
+
+
 class ReshardAfterForward(str, Enum):
     default = "default"  # reshard every block except the last (torchtitan's choice)
     always = "always"
@@ -75,6 +82,7 @@ class PrecisionConfig:
     param_dtype: Dtype = Dtype.float32
     reduce_dtype: Dtype = Dtype.float32
     compute_dtype: Dtype | None = None
+    float8: Float8Recipe | None = None  # torchao float8 linears (CUDA, SM 8.9+); checked before launch
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from titan_plugins.config.hydra_glue import model_config
+from titan_plugins.distributed.float8 import convert_float8
 from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
@@ -81,6 +82,7 @@ def parallelized_parts(
     parallelize = spec.load("parallelize")
     out = []
     for stage, part in split:
+        part = convert_float8(part, job, parallel_dims)  # precision.float8: torchao, before TP/FSDP
         result = parallelize(part, parallel_dims, job)
         part = result if isinstance(result, nn.Module) else part
         if pm is not None:

@@ -18,29 +18,12 @@ from typing import Any
 import torch
 
 from titan_plugins.hookspecs import hookimpl
+from titan_plugins.train.peak import default_peak_tflops, peak_tflops_for_name
 
 __all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "peak_tflops_for_name", "register_sinks"]
 
-# Dense (no sparsity) bf16 peak TFLOP/s per device variant for MFU when metrics.peak_tflops is unset,
-# from the vendors' data sheets. Matched as substrings of the device name, most specific first.
-_PEAKS: tuple[tuple[str, float], ...] = (
-    ("GB200", 2500.0), ("B200", 2250.0), ("H200", 989.0),
-    ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # plain "H100" / "H100 80GB HBM3" = SXM
-    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10", 125.0), ("V100", 125.0),
-    ("MI355X", 2500.0), ("MI325X", 1307.0), ("MI300X", 1307.0), ("MI300A", 980.0), ("MI250X", 383.0),
-)
-
-
-def peak_tflops_for_name(name: str) -> float | None:
-    """Dense bf16 peak for a device name such as ``NVIDIA H100 PCIe``; None when unknown."""
-    low = name.lower()
-    return next((v for k, v in _PEAKS if k.lower() in low), None)
-
-
-def default_peak_tflops(device_type: str) -> float | None:
-    if device_type != "cuda" or not torch.cuda.is_available():
-        return None
-    return peak_tflops_for_name(torch.cuda.get_device_name())
+# The device peak table and the CPU probe live in titan_plugins.train.peak; re-exported
+# here for the callers that import them from metrics.
 
 
 def memory_gib(device_type: str) -> float:

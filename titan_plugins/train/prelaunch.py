@@ -40,6 +40,9 @@ def check_job(job: Any, model_config: Any) -> None:
     check = _data_source_check()
     if check is not None:
         check(job.data)
+    from titan_plugins.distributed.float8 import check_float8
+
+    check_float8(job)  # no CUDA / SM < 8.9 / no torchao: one line before launch
 
 
 def _data_source_check() -> Any:

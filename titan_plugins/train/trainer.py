@@ -25,8 +25,9 @@ from titan_plugins.spec import ModelSpec
 from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
 from titan_plugins.train.lifecycle import ModelParts, build_model_parts
 from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
-from titan_plugins.train.metrics import default_peak_tflops, memory_gib
+from titan_plugins.train.metrics import memory_gib
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
+from titan_plugins.train.peak import run_peak_tflops
 from titan_plugins.train.validation import Validator
 
 __all__ = ["Trainer", "init_distributed", "set_determinism"]
@@ -103,8 +104,8 @@ class Trainer:
         self.flops_per_token = (
             float(flops(model_config(job.model, spec), int(job.training.seq_len))[1]) if flops else 0.0
         )
-        peak = job.metrics.peak_tflops
-        self.peak_tflops = float(peak) if peak else default_peak_tflops(self.device.type)
+        # metrics.peak_tflops, else the device's peak in the run's compute dtype (CPU: measured)
+        self.peak_tflops = run_peak_tflops(job, self.device.type)
 
     # ------------------------------------------------------------------ setup
     def _build_dataloader(self) -> Any:
