@@ -126,6 +126,38 @@ def test_config_round_trip_loads_in_transformers():
     assert config_from_hf(multimodal) == config_from_hf(transformers.Llama4TextConfig(**TEXT).to_dict())
 
 
+def test_published_scout_config_maps():
+    """Llama-4-Scout-17B-16E's config.json (transformers 4.51 format, vision part cut):
+    TorchTitan's 17bx16e sizes, HF's NoPE placement, qk-norm, temperature, its RoPE scaling."""
+    text = dict(
+        attention_bias=False, attention_chunk_size=8192, attention_dropout=0.0, attn_scale=0.1,
+        attn_temperature_tuning=4, bos_token_id=200000, eos_token_id=[200001, 200007, 200008], floor_scale=8192,
+        for_llm_compressor=False, head_dim=128, hidden_act="silu", hidden_size=5120, initializer_range=0.02,
+        interleave_moe_layer_step=1, intermediate_size=8192, intermediate_size_mlp=16384,
+        max_position_embeddings=262144, model_type="llama4_text", moe_layers=list(range(48)),
+        no_rope_layers=[int((i + 1) % 4 != 0) for i in range(48)], num_attention_heads=40, num_experts_per_tok=1,
+        num_hidden_layers=48, num_key_value_heads=8, num_local_experts=16, output_router_logits=False,
+        pad_token_id=200018, rms_norm_eps=1e-05, rope_theta=500000.0, router_aux_loss_coef=0.001,
+        rope_scaling={"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                      "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        router_jitter_noise=0.0, torch_dtype="bfloat16", use_cache=True, use_qk_norm=True, vocab_size=202048,
+    )
+    values = config_from_hf({"architectures": ["Llama4ForConditionalGeneration"], "boi_token_index": 200080,
+                             "eoi_token_index": 200081, "image_token_index": 200092, "model_type": "llama4",
+                             "text_config": text, "tie_word_embeddings": False, "transformers_version": "4.51.0",
+                             "vision_config": {"hidden_size": 1408}})
+    from omegaconf import OmegaConf
+
+    scout = FLAVORS["17bx16e"]
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(scout), values))
+    for key in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "ffn_hidden_dim", "moe_hidden_dim"):
+        assert getattr(cfg, key) == getattr(scout, key), key
+    assert cfg.hidden_dim is None and all(cfg.is_moe_layer(i) for i in range(48))
+    assert cfg.nope_layers == list(range(3, 48, 4)) and cfg.fixed_attn_block_size == 8192
+    assert cfg.qk_norm and cfg.attn_temperature_tuning and cfg.eos_id == 200001
+    assert (cfg.rope_scaling.scaling_factor, cfg.rope_scaling.high_freq_factor) == (8.0, 4.0)
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [("hidden_act", "gelu"), ("attention_bias", True), ("tie_word_embeddings", True),

@@ -38,6 +38,7 @@ _NO_EFFECT = {
     "router_aux_loss_coef",  # HF adds this loss only with output_router_logits (checked false)
     "router_jitter_noise",  # HF's Llama 4 router never reads it
     "for_llm_compressor",  # a quantisation tool's flag in Meta's published config.json
+    "_attn_implementation", "_attn_implementation_autoset",  # the kernel, not the function
 }
 # The multimodal wrapper's own fields (the text model is text_config).
 _OUTER = {"text_config", "vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
