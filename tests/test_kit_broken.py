@@ -17,6 +17,7 @@ import pytest
 from titan_plugins.cli.scaffold import scaffold
 from titan_plugins.testing.conformance import (
     ContractError,
+    Session,
     Target,
     check_parallelize,
     check_plugin_import,
@@ -67,11 +68,12 @@ def test_tp_plan_touching_tok_embeddings_on_a_later_stage_fails_parallelize_pp(t
         "    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp, loss_parallel=lp))",
         _TOK_EMBEDDINGS_ALWAYS,
     )
+    session = Session.open(target)  # both kinds in one fake-process-group subprocess
     # Without a pipeline the plan is fine ...
-    assert check_parallelize(target, "tp") is None
+    assert check_parallelize(session, "tp") is None
     # ... on stage 1 of 2 tok_embeddings is None, and the plan still names it.
     with pytest.raises(ContractError) as info:
-        check_parallelize(target, "pp")
+        check_parallelize(session, "pp")
     message = str(info.value)
     assert message.startswith("parallelize-pp: the TP plan names 'tok_embeddings', which matches no module")
     assert "stage 1 of 2 (where tok_embeddings is None)" in message

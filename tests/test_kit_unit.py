@@ -12,6 +12,7 @@ import pytest
 from titan_plugins.cli.scaffold import scaffold
 from titan_plugins.testing import CONTRACTS, ContractError, Target
 from titan_plugins.testing import conformance as kit
+from titan_plugins.testing.conformance import Session
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -57,15 +58,29 @@ def test_the_scaffold_passes_the_single_process_checks(tmp_path, monkeypatch):
     root, _ = scaffold("kitgood", tmp_path / "kitgood")
     monkeypatch.syspath_prepend(str(root))
     target = Target("kitgood", overrides=("model.n_layers=2",), plugins=("titan_kitgood.plugin",))
+    session = Session.open(target)  # the checks share the composed job and the initialised models
     for check in _SINGLE_PROCESS:
-        assert check(target) is None, check.__name__
+        assert check(session) is None, check.__name__
+    # loss parity: EP is skipped with the reason when the model does not declare it (no run starts)
+    assert kit.check_loss_parity(session, "ep") == "model 'kitgood' does not declare ep"
+    assert session.workdir is None
+
+
+def test_no_check_depends_on_another_having_run(tmp_path, monkeypatch):
+    """The checks that use the initialised models, each first on a fresh session."""
+    root, _ = scaffold("kitorder", tmp_path / "kitorder")
+    monkeypatch.syspath_prepend(str(root))
+    target = Target("kitorder", overrides=("model.n_layers=2",), plugins=("titan_kitorder.plugin",))
+    session = Session.open(target)
+    assert kit.check_state_dict(session) is None and session.initialised is not None
+    assert kit.check_hf_round_trip(Session.open(target)).startswith("model 'kitorder' has no state-dict adapter")
 
 
 def test_the_gpt2_example_passes_the_single_process_checks(monkeypatch):
     monkeypatch.syspath_prepend(str(EXAMPLES / "gpt2_plugin"))
-    target = Target("gpt2", overrides=("model.n_layers=2",), plugins=("titan_gpt2.plugin",))
+    session = Session.open(Target("gpt2", overrides=("model.n_layers=2",), plugins=("titan_gpt2.plugin",)))
     for check in _SINGLE_PROCESS:
-        assert check(target) is None, check.__name__
+        assert check(session) is None, check.__name__
 
 
 def test_a_model_yaml_not_starting_from_the_schema_fails_compose(tmp_path, monkeypatch):

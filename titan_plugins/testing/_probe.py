@@ -91,9 +91,9 @@ def probe_import(module_ref: str, model: str) -> dict[str, Any]:
 
 # ------------------------------------------------------------- parallelize
 def _fix(kind: str) -> str:
-    from titan_plugins.testing.conformance import _FIXES as fixes
+    from titan_plugins.testing.conformance.contract import FIXES
 
-    return fixes[f"parallelize-{kind}"]
+    return FIXES[f"parallelize-{kind}"]
 
 
 def _problem(kind: str, problem: str, *, fix: str | None = None) -> dict[str, Any]:
@@ -108,7 +108,7 @@ def _unresolved_key(message: str) -> str | None:
 
 
 def probe_parallelize(target_json: str, configs_json: str) -> dict[str, Any]:
-    from titan_plugins.testing.conformance import Target
+    from titan_plugins.testing.conformance.target import Target
 
     target = Target.from_json(target_json)
     configs: dict[str, dict[str, int]] = json.loads(configs_json)
@@ -139,10 +139,12 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.distributed.pipeline import split_model
     from titan_plugins.errors import ConfigError
-    from titan_plugins.testing.conformance import _load, _one_line, _where
+    from titan_plugins.testing.conformance.contract import one_line
+    from titan_plugins.testing.conformance.contract import where as at_plugin
+    from titan_plugins.testing.conformance.session import Session
 
-    loaded = _load(target)
-    spec, pm = loaded.spec, loaded.pm
+    session = Session.open(target)
+    spec, pm = session.spec, session.pm
     world = 1
     for value in degrees.values():
         world *= value
@@ -184,7 +186,7 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
             try:
                 result = parallelize(part, dims, job)
             except Exception as exc:
-                return _problem(kind, f"the parallelize hook raised {where}: {_one_line(exc)}{_where(exc)}")
+                return _problem(kind, f"the parallelize hook raised {where}: {one_line(exc)}{at_plugin(exc)}")
         for w in caught:
             key = _unresolved_key(str(w.message))
             if key is not None:
@@ -210,7 +212,7 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
                 part.init_weights(buffer_device=torch.device("cpu"))
         except Exception as exc:
             return _problem(kind, f"to_empty + init_weights after parallelize raised {where}: "
-                            f"{_one_line(exc)}{_where(exc)}",
+                            f"{one_line(exc)}{at_plugin(exc)}",
                             fix="init_weights must work on sharded (DTensor) parameters: use nn.init "
                             "functions or in-place ops, never replace a parameter or read its full shape "
                             "from .data")

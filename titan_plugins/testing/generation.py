@@ -12,8 +12,9 @@ import torch
 from torch import nn
 
 from titan_plugins.generate import SamplingConfig, generate, supports_generation
+from titan_plugins.testing.conformance.generation import check_generation  # the kit's contract
 
-__all__ = ["check_kv_cache", "supports_generation"]
+__all__ = ["check_generation", "check_kv_cache", "supports_generation"]
 
 
 def check_kv_cache(model: nn.Module, vocab_size: int, *, prompt_len: int = 6, new_tokens: int = 10,
@@ -34,22 +35,3 @@ def check_kv_cache(model: nn.Module, vocab_size: int, *, prompt_len: int = 6, ne
             f"{cached[:, step].tolist()} vs {uncached[:, step].tolist()}"
         )
     return cached
-
-
-def check_generation(target) -> str | None:
-    """The kit's ``generation`` contract: a model whose ``forward`` takes ``cache=``
-    decodes the same greedy tokens with and without the KV cache. Skips (returns the
-    reason) when the model does not declare generation support."""
-    from titan_plugins.testing.conformance import ContractError, _job, _materialize
-
-    model = _materialize(target, 0)
-    if not supports_generation(model):
-        return f"{type(model).__name__}.forward takes no cache=: generation not declared"
-    vocab = int(_job(target).config.vocab_size)
-    try:
-        check_kv_cache(model, vocab, prompt_len=5, new_tokens=6)
-    except AssertionError as exc:
-        raise ContractError("generation", str(exc), "with cache=, run only the new tokens at positions "
-                            "cache.pos.. and attend to cache.layer(name).update(k, v) under "
-                            "cache.layer(name).attention_mask(...) (docs/writing-a-plugin.md)") from None
-    return None

@@ -10,11 +10,16 @@ Each contract is its own test, so a failure reads ``test_state_dict FAILED`` wit
 the contract, what is wrong and how to fix it. Checks that do not apply (TP when
 the model does not declare it) are skipped with the reason. The 2-rank training
 runs are marked ``titan_slow`` (deselect with ``-m "not titan_slow"``).
+
+The tests of one class share one ``Session`` (a class-scoped fixture): the composed
+job, the initialised models, one fake-process-group subprocess for every
+parallelize case and one launched 2-rank job for every parity case.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import shutil
+from collections.abc import Iterator, Sequence
 from typing import Any, ClassVar
 
 import pytest
@@ -44,7 +49,8 @@ class ConformanceSuite:
         ep_overrides: extra overrides for the EP check (e.g. a flavor with experts).
         pp_overrides: extra overrides for the pipeline checks (e.g. untied embeddings).
         persistent_buffers: buffer names that really are state (kept in state_dict).
-        parity: which 2-rank gloo runs must match one rank: ``fsdp``, ``tp``.
+        parity: which 2-rank gloo runs must match one rank: ``fsdp``, ``tp``, ``ep``
+            (run together in one launched job; a case the model does not declare skips).
         train_overrides: the overrides of those short runs.
     """
 
@@ -54,7 +60,7 @@ class ConformanceSuite:
     ep_overrides: ClassVar[Sequence[str]] = ()
     pp_overrides: ClassVar[Sequence[str]] = ()
     persistent_buffers: ClassVar[Sequence[str]] = ()
-    parity: ClassVar[Sequence[str]] = ("fsdp", "tp")
+    parity: ClassVar[Sequence[str]] = ("fsdp", "tp", "ep")
     train_overrides: ClassVar[Sequence[str]] = c.TRAIN_OVERRIDES
 
     @classmethod
@@ -64,58 +70,71 @@ class ConformanceSuite:
         return c.Target(cls.model_name, tuple(cls.overrides), tuple(cls.plugins),
                         tuple(cls.ep_overrides), tuple(cls.pp_overrides))
 
-    # --------------------------------------------------------- registration
-    def test_registration(self) -> None:
-        _run(c.check_registration, self.titan_target())
+    @pytest.fixture(scope="class")
+    @classmethod
+    def titan_session(cls) -> Iterator[c.Session | c.Target]:
+        """What this class's checks share, dropped after the class. When the model
+        cannot be found, the bare target: each check then fails with that error."""
+        target = cls.titan_target()
+        try:
+            session: c.Session | c.Target = c.Session.open(target)
+        except c.ContractError:
+            session = target
+        yield session
+        # The parity runs' directory goes unless a failure message points into it.
+        if isinstance(session, c.Session) and session.workdir and \
+                not any(isinstance(o, c.ContractError) for o in session.outcomes.values()):
+            shutil.rmtree(session.workdir, ignore_errors=True)
 
-    def test_plugin_imports_without_torch(self) -> None:
-        _run(c.check_plugin_import, self.titan_target())
+    # --------------------------------------------------------- registration
+    def test_registration(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_registration, titan_session)
+
+    def test_plugin_imports_without_torch(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_plugin_import, titan_session)
 
     # --------------------------------------------------------------- config
-    def test_schema(self) -> None:
-        _run(c.check_schema, self.titan_target())
+    def test_schema(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_schema, titan_session)
 
-    def test_flavors_compose(self) -> None:
-        _run(c.check_compose, self.titan_target())
+    def test_flavors_compose(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_compose, titan_session)
 
-    def test_typed_override_rejected(self) -> None:
-        _run(c.check_typed_override, self.titan_target())
+    def test_typed_override_rejected(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_typed_override, titan_session)
 
     # --------------------------------------------------------------- module
-    def test_meta_build(self) -> None:
-        _run(c.check_meta_build, self.titan_target())
+    def test_meta_build(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_meta_build, titan_session)
 
-    def test_init_weights(self) -> None:
-        _run(c.check_init_weights, self.titan_target())
+    def test_init_weights(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_init_weights, titan_session)
 
-    def test_forward_backward(self) -> None:
-        _run(c.check_forward_backward, self.titan_target())
+    def test_forward_backward(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_forward_backward, titan_session)
 
-    def test_state_dict(self) -> None:
-        _run(c.check_state_dict, self.titan_target(), persistent_buffers=self.persistent_buffers)
+    def test_state_dict(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_state_dict, titan_session, persistent_buffers=self.persistent_buffers)
 
-    def test_pipeline_split(self) -> None:
-        _run(c.check_pipeline_split, self.titan_target())
+    def test_pipeline_split(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_pipeline_split, titan_session)
 
-    def test_hf_round_trip(self) -> None:
-        from titan_plugins.testing.hf_check import check_hf_round_trip
+    def test_hf_round_trip(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_hf_round_trip, titan_session)
 
-        _run(check_hf_round_trip, self.titan_target())
-
-    def test_generation(self) -> None:
-        from titan_plugins.testing.generation import check_generation
-
-        _run(check_generation, self.titan_target())
+    def test_generation(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_generation, titan_session)
 
     # ------------------------------------------------- parallelize (fake PG)
     @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep", "pp"])
-    def test_parallelize(self, kind: str) -> None:
-        _run(c.check_parallelize, self.titan_target(), kind)
+    def test_parallelize(self, titan_session: c.Session | c.Target, kind: str) -> None:
+        _run(c.check_parallelize, titan_session, kind)
 
     # --------------------------------------------------- loss parity (gloo)
     @pytest.mark.titan_slow
-    @pytest.mark.parametrize("kind", ["fsdp", "tp"])
-    def test_loss_parity(self, kind: str) -> None:
+    @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep"])
+    def test_loss_parity(self, titan_session: c.Session | c.Target, kind: str) -> None:
         if kind not in self.parity:
             pytest.skip(f"{kind} is not in {type(self).__name__}.parity")
-        _run(c.check_loss_parity, self.titan_target(), kind, train_overrides=self.train_overrides)
+        _run(c.check_loss_parity, titan_session, kind, train_overrides=self.train_overrides,
+             together=self.parity)
