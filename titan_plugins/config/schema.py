@@ -134,13 +134,56 @@ class CheckpointConfig:
     export_hf: bool = False  # at the end, write a Hugging Face folder to <run_dir>/hf (titan-export)
 
 
+class WandbMode(str, Enum):
+    online = "online"
+    offline = "offline"  # written under dir, uploaded later with `wandb sync`
+
+
+@dataclass
+class MLflowConfig:
+    """The MLflow sink (``pip install 'titan-plugins[mlflow]'``), rank 0 only."""
+
+    enabled: bool = False
+    tracking_uri: str | None = None  # default: $MLFLOW_TRACKING_URI, else file:<run_dir>/mlruns
+    experiment: str = "titan-plugins"
+    run_name: str | None = None  # default: <model>-<flavor>-<run dir name>
+
+
+@dataclass
+class WandbConfig:
+    """The Weights & Biases sink (``pip install 'titan-plugins[wandb]'``), rank 0 only."""
+
+    enabled: bool = False
+    project: str = "titan-plugins"
+    entity: str | None = None
+    mode: WandbMode = WandbMode.online
+    dir: str | None = None  # default: the run directory
+    run_name: str | None = None  # default: <model>-<flavor>-<run dir name>
+
+
 @dataclass
 class MetricsConfig:
     log_freq: int = 1
     jsonl: bool = True
     tensorboard: bool = True
     peak_tflops: float | None = None  # per device, for MFU; default per device type
-    console: bool = True  # the rank-0 log line per step
+    console: bool = True  # the rank-0 log line per step, the run header and summary
+    mlflow: MLflowConfig = field(default_factory=MLflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class ProfilingConfig:
+    """torch.profiler traces of ``steps`` steps from ``start_step`` into
+    ``<run_dir>/profile`` (titan_plugins/train/profiling.py)."""
+
+    enabled: bool = False
+    start_step: int = 3  # the first traced step (counting from 1); earlier steps warm up
+    steps: int = 2  # how many steps to trace
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    memory_snapshot: bool = False  # CUDA: allocator history, dumped after the traced steps and on OOM
 
 
 @dataclass
@@ -175,4 +218,5 @@ class JobConfig:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     run_dir: str = "."  # set by titan-run to Hydra's output directory

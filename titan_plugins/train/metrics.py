@@ -19,6 +19,7 @@ import torch
 
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.train.peak import default_peak_tflops, peak_tflops_for_name
+from titan_plugins.train.run_report import format_duration
 
 __all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "peak_tflops_for_name", "register_sinks"]
 
@@ -55,6 +56,8 @@ class ConsoleSink:
         if "mfu" in metrics:
             parts.append(f"MFU {metrics['mfu']:.1f}%")
         parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
+        if "eta_s" in metrics:
+            parts.append(f"ETA {format_duration(metrics['eta_s'])}")
         print(" | ".join(parts), flush=True)
 
 
@@ -130,7 +133,9 @@ class TensorBoardSink:
 
 def register_sinks(pm: Any) -> None:
     """Register the built-in sinks (once per manager)."""
+    from titan_plugins.train.sinks import optional_sinks  # MLflow, W&B: idle unless enabled
+
     for name, sink in (("titan.console", ConsoleSink()), ("titan.jsonl", JsonlSink()),
-                       ("titan.tensorboard", TensorBoardSink())):
+                       ("titan.tensorboard", TensorBoardSink()), *optional_sinks()):
         if pm.get_plugin(name) is None:
             pm.register(sink, name=name)

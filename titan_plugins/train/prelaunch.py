@@ -40,6 +40,11 @@ def check_job(job: Any, model_config: Any) -> None:
     check = _data_source_check()
     if check is not None:
         check(job.data)
+    from titan_plugins.train.profiling import check_profiling
+    from titan_plugins.train.sinks import check_sinks
+
+    check_sinks(job)  # an enabled MLflow/W&B sink needs its package
+    check_profiling(job)
     from titan_plugins.distributed.float8 import check_float8
 
     check_float8(job)  # no CUDA / SM < 8.9 / no torchao: one line before launch

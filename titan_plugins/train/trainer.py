@@ -28,6 +28,8 @@ from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
 from titan_plugins.train.metrics import memory_gib
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
 from titan_plugins.train.peak import run_peak_tflops
+from titan_plugins.train.profiling import StepProfiler
+from titan_plugins.train.run_report import RunReport
 from titan_plugins.train.validation import Validator
 
 __all__ = ["Trainer", "init_distributed", "set_determinism"]
@@ -185,6 +187,8 @@ class Trainer:
     def train(self) -> dict[str, float]:
         job, pm, rank = self.job, self.pm, self.rank
         step = self.checkpointer.maybe_resume()
+        report = RunReport(self, step)  # the header on rank 0; ETA and summary below
+        profiler = StepProfiler(job, self.run_dir, rank, self.device.type, resumed_at=step)
         pm.hook.titan_on_train_start(job_config=job, run_dir=self.run_dir, rank=rank)
         metrics: dict[str, float] = {}
         data = iter(self.dataloader)
@@ -208,12 +212,16 @@ class Trainer:
             }
             if self.peak_tflops:
                 metrics["mfu"] = 100.0 * tflops / self.peak_tflops
+            metrics["eta_s"] = report.step(step, metrics)
             pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
+            profiler.step(step)
             if self.validator is not None and self.validator.due(step, self.steps):
                 pm.hook.titan_on_validation_end(step=step, metrics=self.validator.run(), job_config=job, rank=rank)
             if self.checkpointer.should_save(step, self.steps):
                 self.checkpointer.save(step)
+        profiler.close(step)
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
+        report.finish()
         if job.training.dump_final_params:
             self.dump_final_params()
         if job.checkpoint.get("export_hf"):
