@@ -123,7 +123,7 @@ def run_compare(args) -> int:
     if args.plot:
         from titan_plugins.compare.plot import plot_curves
 
-        plot_curves(baseline, test, args.plot)
+        plot_curves(baseline, test, args.plot, verdict=verdict, tolerance=loss_tol)
         print(f"plot written to {args.plot}")
     print(format_report(baseline, test, verdict, tol_text))  # the verdict is the last line
     return 0 if verdict.passed else 1
