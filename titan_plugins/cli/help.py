@@ -88,8 +88,9 @@ def format_help(pm: Any) -> str:
             out.append(f"  {' ' * width}flavors: {_wrap(flavors, indent=2 + width + 9)}")
         out.append("  (`titan-plugins show NAME` prints a model's schema and flavors)")
     else:
-        out.append("installed models: none. Install a plugin distribution, e.g. "
-                   "pip install -e plugins/qwen3 (see `titan-plugins list`).")
+        out.append("installed models: none. Install a model plugin distribution (one with a "
+                   "'titan_plugins' entry point) into this environment with pip, or start one with "
+                   "`titan-plugins new NAME` (see `titan-plugins list`).")
     if pm.errors:
         out.append("")
         out.append("plugin load errors (titan-run refuses to start until they are fixed):")

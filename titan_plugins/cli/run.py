@@ -167,6 +167,8 @@ def _main(argv: list[str]) -> int:
     overrides = _user_overrides(argv)
     multirun = any(a in _MULTIRUN for a in argv)
     hydra_only = any(a in _HYDRA_ONLY for a in argv)
+    if not multirun and _flag_value(argv, ("--cfg", "-c")) == "job":
+        return _print_job(overrides, pm, _flag_value(argv, ("--package", "-p")))
 
     if not hydra_only:
         from titan_plugins.train.api import prepare_job
@@ -182,6 +184,31 @@ def _main(argv: list[str]) -> int:
                 raise type(exc)(f"{exc}{where}") from None
         _check_run_dirs(argv, multirun)
     return _run_with_hydra(argv, pm, multirun)
+
+
+def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
+    """The value after the last of ``names`` in ``argv`` (``--cfg job`` -> ``job``)."""
+    value = None
+    for index, arg in enumerate(argv[:-1]):
+        if arg in names:
+            value = argv[index + 1]
+    return value
+
+
+def _print_job(overrides: list[str], pm: Any, package: str | None) -> int:
+    """``--cfg job``: the job as the ranks would read it, the model node filled from its
+    flavor (Hydra alone shows the schema's ``???`` there). A missing model or a bad
+    override is one line, as for a run."""
+    from omegaconf import OmegaConf
+
+    from titan_plugins.config.hydra_glue import compose, resolve_job
+
+    _, job = resolve_job(compose(overrides, pm), pm)
+    node = job if package in (None, "", "_global_") else OmegaConf.select(job, package)
+    if node is None:
+        raise ConfigError(f"--package {package}: no such node in the job config")
+    print(OmegaConf.to_yaml(node) if OmegaConf.is_config(node) else f"{node}\n", end="")
+    return 0
 
 
 def _check_run_dirs(argv: list[str], multirun: bool) -> None:
