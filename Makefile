@@ -1,5 +1,6 @@
 # make run    set up .venv (first time) and run the main job on the shipped data
 # make test   set up .venv (first time) and run the test suite
+# make test-fast  the in-process tests only (no multi-rank runs), for the edit loop
 # make lint   ruff
 # VENV=/path  use another virtual environment; ARGS="..." extra arguments
 VENV ?= .venv
@@ -9,7 +10,7 @@ STAMP := $(VENV)/.titan-bootstrap
 TEST_PATHS := tests $(wildcard plugins/*/tests) $(wildcard examples/*/tests)
 ARGS ?=
 
-.PHONY: venv run test lint clean
+.PHONY: venv run test test-fast lint clean
 
 venv: $(STAMP)
 
@@ -23,6 +24,9 @@ run: venv
 
 test: venv
 	$(BIN)/python -m pytest -q $(TEST_PATHS) $(ARGS)
+
+test-fast: venv
+	$(BIN)/python -m pytest -q -m "not slow and not titan_slow" $(TEST_PATHS) $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
