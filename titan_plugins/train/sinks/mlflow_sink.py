@@ -46,7 +46,8 @@ class MLflowSink:
         experiment = client.get_experiment_by_name(cfg.experiment)
         exp_id = experiment.experiment_id if experiment else client.create_experiment(cfg.experiment)
         run = client.create_run(exp_id, run_name=cfg.run_name or default_run_name(job_config, run_dir))
-        params = [Param(k, str(v)) for k, v in flat_params(job_config).items()]
+        # MLflow refuses a param value over 6000 characters (a long data.mix list could be)
+        params = [Param(k, str(v)[:6000]) for k, v in flat_params(job_config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
             client.log_batch(run.info.run_id, params=params[i:i + 100])
         self._client, self._run_id = client, run.info.run_id
