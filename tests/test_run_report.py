@@ -103,6 +103,29 @@ def test_bad_profiling_steps_fail_before_launch() -> None:
         check_profiling(job)
 
 
+def test_memory_snapshot_is_dumped_after_the_traced_steps_and_on_oom(tmp_path, monkeypatch) -> None:
+    """The CUDA branch with torch's allocator calls replaced (no GPU here)."""
+    from titan_plugins.train.profiling import StepProfiler
+
+    calls: list = []
+    observers: list = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history",
+                        lambda enabled=None, max_entries=0: calls.append(("record", enabled)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: calls.append(("dump", Path(path).name)))
+    monkeypatch.setattr(torch._C, "_cuda_attach_out_of_memory_observer", observers.append, raising=False)
+    job = OmegaConf.create({"profiling": {"enabled": False, "start_step": 2, "steps": 2, "memory_snapshot": True}})
+    prof = StepProfiler(job, str(tmp_path), rank=1, device_type="cuda", resumed_at=0)
+    assert calls == [("record", "all")]  # from the start of training
+    for step in (1, 2):
+        prof.step(step)
+    assert len(calls) == 1
+    prof.step(3)  # the last of steps 2..3
+    prof.close(4)
+    assert calls[1:] == [("dump", "memory_snapshot_rank1_step3.pickle")]
+    observers[0](0, 2**30, 0, 0)  # an out-of-memory error
+    assert calls[-1] == ("dump", "memory_snapshot_rank1_oom.pickle")
+
+
 # ------------------------------------------------------------------ one real run
 def _wandb_records(run_file: Path) -> list:
     """The records of a W&B offline transaction log (LevelDB log blocks after a 7-byte

@@ -46,9 +46,10 @@ class StepProfiler:
         if cfg.memory_snapshot and device_type != "cuda" and rank == 0:
             print("profiling.memory_snapshot: CUDA only; skipped on this device", flush=True)
         self.first, self.last = int(cfg.start_step), int(cfg.start_step) + int(cfg.steps) - 1
-        self.cfg, self.rank = cfg, rank
+        self.cfg, self.rank, self.device_type = cfg, rank, device_type
         self.folder = Path(run_dir) / PROFILE_DIR
         self._prof: Any = None
+        self._dumped = False
         if self.snapshot:  # from the start: an OOM in step 1 is the common case
             self._record(True)
             self._attach_oom_observer()
@@ -67,21 +68,20 @@ class StepProfiler:
         if self._prof is not None:
             self._prof.stop()  # tensorboard_trace_handler writes the file here
             self._prof = None
-        if self.snapshot and done is not None:
-            self._dump(f"step{done}")
-            self._record(False)
-            self.snapshot = False
+        if self.snapshot and done is not None and not self._dumped:
+            self._dump(f"step{done}")  # recording goes on: an OOM later still has its history
+            self._dumped = True
 
     # ---------------------------------------------------------------- torch
     def _start(self) -> None:
         if not self.trace:
             return
         self.folder.mkdir(parents=True, exist_ok=True)
-        import torch
-        from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
+        from torch.profiler import ProfilerAction, ProfilerActivity, profile
+        from torch.profiler import tensorboard_trace_handler as trace_handler
 
         activities = [ProfilerActivity.CPU]
-        if torch.cuda.is_available():
+        if self.device_type == "cuda":
             activities.append(ProfilerActivity.CUDA)
         self._prof = profile(
             activities=activities,
@@ -90,7 +90,7 @@ class StepProfiler:
             with_stack=bool(self.cfg.with_stack),
             # a schedule (always record: start and stop are ours) makes torch mark the steps
             schedule=lambda _step: ProfilerAction.RECORD,
-            on_trace_ready=tensorboard_trace_handler(str(self.folder), worker_name=f"rank{self.rank}"),
+            on_trace_ready=trace_handler(str(self.folder), worker_name=f"rank{self.rank}"),
         )
         self._prof.step_num = self.first  # "ProfilerStep#N" is training step N
         self._prof.start()
@@ -112,4 +112,6 @@ class StepProfiler:
         def on_oom(device: int, alloc: int, device_alloc: int, device_free: int) -> None:
             self._dump("oom")  # the history up to the failed allocation
 
-        torch._C._cuda_attach_out_of_memory_observer(on_oom)
+        attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)  # CUDA builds only
+        if attach is not None:
+            attach(on_oom)
