@@ -225,3 +225,26 @@ def test_profiled_run_leaves_a_trace_per_rank(reported_run) -> None:
     events = json.loads(trace.read_text())["traceEvents"]
     steps = {e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}
     assert steps == {"ProfilerStep#2"}  # profiling.start_step=2, profiling.steps=1
+
+
+@pytest.mark.parametrize("name, flavor", [("deepseek_v3", "debugmodel"), ("qwen3", "debugmodel_moe"),
+                                          ("llama4", "debugmodel")])
+def test_header_counts_equal_the_plugins_own(name, flavor) -> None:
+    """The header's generic count on the meta model equals each first-party plugin's
+    own ``(total, active)`` (measured equal on every flavor, 671B included)."""
+    import importlib
+
+    from titan_plugins.plugins import get_plugin_manager
+
+    own = {"deepseek_v3": ("titan_deepseek_v3.flops", "param_counts"), "qwen3": ("titan_qwen3.config", "num_params"),
+           "llama4": ("titan_llama4.config", "num_params")}[name]
+    pm = get_plugin_manager()
+    if name not in pm.models():
+        pytest.skip(f"{name} is not installed")
+    spec = pm.get_model(name)
+    config = spec.flavor(flavor)
+    with torch.device("meta"):
+        model = spec.load("build")(config)
+    counts = getattr(importlib.import_module(own[0]), own[1])(config)
+    expected = (counts.total, counts.active) if hasattr(counts, "active") else tuple(counts)
+    assert count_parameters(model) == expected and expected[1] < expected[0]
