@@ -177,6 +177,7 @@ def reported_run(tmp_path_factory):
     return result
 
 
+@pytest.mark.slow  # a real run in a subprocess
 def test_header_summary_and_eta_on_a_real_run(reported_run) -> None:
     out, run_dir = reported_run.stdout, reported_run.run_dir
     assert "model       tiny (flavor debugmodel)" in out and "parameters" in out
@@ -191,6 +192,7 @@ def test_header_summary_and_eta_on_a_real_run(reported_run) -> None:
     assert out.index("model       tiny") < out.index(step_lines[0]) < out.index("finished    step 3")
 
 
+@pytest.mark.slow  # a real run in a subprocess
 def test_hook_titan_on_step_end_mlflow_sink(reported_run) -> None:
     import os
 
@@ -208,6 +210,7 @@ def test_hook_titan_on_step_end_mlflow_sink(reported_run) -> None:
     assert {"train/grad_norm", "train/lr", "train/tokens_per_s"} <= set(run.data.metrics)
 
 
+@pytest.mark.slow  # a real run in a subprocess
 def test_hook_titan_on_step_end_wandb_offline_sink(reported_run) -> None:
     (run_file,) = (reported_run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     records = _wandb_records(run_file)
@@ -220,6 +223,7 @@ def test_hook_titan_on_step_end_wandb_offline_sink(reported_run) -> None:
     assert [(row["_step"], row["train/loss"]) for row in rows] == list(zip([1, 2, 3], reported_run.losses))
 
 
+@pytest.mark.slow  # a real run in a subprocess
 def test_profiled_run_leaves_a_trace_per_rank(reported_run) -> None:
     (trace,) = (reported_run.run_dir / "profile").glob("rank0.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]
