@@ -130,7 +130,7 @@ def test_format_help_lists_models_and_groups(toy_env: Any) -> None:
     assert text.startswith("usage: titan-run")
     assert "toy" in text and "from <extra>==-" in text and "flavors: debugmodel*, wide" in text
     assert "parallelism  " in text and "single*" in text and "fsdp4_tp2_ep2" in text
-    assert "precision    bf16_compute, bf16_mixed, fp32*" in text
+    assert "precision    bf16_compute, bf16_mixed, float8_rowwise, float8_tensorwise, fp32*" in text
 
 
 def test_format_help_without_models(monkeypatch: pytest.MonkeyPatch) -> None:
