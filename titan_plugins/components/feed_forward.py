@@ -7,15 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_plugins.components.compute_dtype import linear
+from titan_plugins.components.init import trunc_normal_
 
-
-def trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0) -> None:
-    """TorchTitan's truncated normal in [-2, 2]: sampled in float32, cast back."""
-    tmp = tensor.float()
-    nn.init.trunc_normal_(tmp, mean=mean, std=std, a=-2.0, b=2.0)
-    if tmp is not tensor:
-        with torch.no_grad():
-            tensor.copy_(tmp)
+__all__ = ["FeedForward", "trunc_normal_"]  # trunc_normal_: re-exported for plugins that import it from here
 
 
 class FeedForward(nn.Module):

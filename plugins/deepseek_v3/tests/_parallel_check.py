@@ -64,10 +64,9 @@ def _job(case: dict):
 
 
 def run_case(name: str, case: dict, world: int) -> dict:
-    from titan_deepseek_v3.config import make_config
+    from titan_deepseek_v3.config import make_config, validate
     from titan_deepseek_v3.model import build
     from titan_deepseek_v3.parallelize import parallelize
-    from titan_deepseek_v3.validate import validate
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import loss_parallel
@@ -106,12 +105,15 @@ def run_case(name: str, case: dict, world: int) -> dict:
     else:
         from types import SimpleNamespace
 
-        from titan_deepseek_v3.plugin import SPEC
+        from titan_deepseek_v3 import plugin
+
+        specs = []
+        plugin.titan_register_models(specs.append)
 
         from titan_plugins.distributed.pipeline import split_model
 
         layout = SimpleNamespace(pp=n_stages, pp_stages_per_rank=1)
-        parts = [split_model(whole, SPEC.pipeline, s, layout)[0][1] for s in range(n_stages)]
+        parts = [split_model(whole, specs[0].pipeline, s, layout)[0][1] for s in range(n_stages)]
         assert parts[1].tok_embeddings is None and parts[0].lm_head is None and parts[0].norm is None
     ref_sd = ref.state_dict()
     for part in parts:

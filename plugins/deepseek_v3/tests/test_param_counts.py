@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from titan_deepseek_v3.config import FLAVORS
-from titan_deepseek_v3.flops import flops, param_counts
+from titan_deepseek_v3.config import FLAVORS, flops, param_counts
 from titan_deepseek_v3.model import build
 
 

@@ -1,7 +1,8 @@
 """DeepSeek-V3 configuration: a hierarchical schema and the named flavors.
 
 The schema mirrors TorchTitan 0.2.2's ``DeepSeekV3ModelArgs`` grouped by where each
-setting acts (model -> layer -> attention / rope / norm / ffn / moe);
+setting acts (model -> layer -> attention / rope / norm / ffn / moe), the parameter
+and FLOP counts, and the checks against the parallel degrees;
 ``from_torchtitan`` and ``to_torchtitan`` map one onto the other field by field.
 Derived dimensions (``qk_head_dim``, YaRN on/off, the softmax scale) are computed
 here and nowhere else. This module must not import torch (``titan-plugins list``).
@@ -27,10 +28,14 @@ __all__ = [
     "MoELayerConfig",
     "NormConfig",
     "RopeConfig",
+    "ParamCounts",
     "RopeScaling",
+    "flops",
     "from_torchtitan",
     "make_config",
+    "param_counts",
     "to_torchtitan",
+    "validate",
 ]
 
 
@@ -381,3 +386,89 @@ def to_torchtitan(config: DeepSeekV3Config) -> dict[str, Any]:
         **{tt: getattr(layer.rope, ours) for tt, ours in _TT_ROPE.items()},
     }
 
+
+# ------------------------------------------------------------------- counting
+# Exact, from the config alone: the counts match a built model's named_parameters()
+# (a test checks it on meta); ``active`` counts routed experts by top_k / num_experts.
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int
+    active: int  # per token: dense + router + shared experts + top_k routed experts
+    embedding: int
+    routed_experts: int
+
+
+def param_counts(config: DeepSeekV3Config) -> ParamCounts:
+    dim, layer = config.dim, config.layer
+    att, moe = layer.attention, layer.moe
+    q = dim * att.n_heads * att.qk_head_dim if att.q_lora_rank == 0 else (
+        dim * att.q_lora_rank + att.q_lora_rank + att.q_lora_rank * att.n_heads * att.qk_head_dim
+    )
+    attention = (
+        q
+        + dim * (att.kv_lora_rank + att.qk_rope_head_dim)  # wkv_a
+        + att.kv_lora_rank  # kv_norm
+        + att.kv_lora_rank * att.n_heads * (att.qk_nope_head_dim + att.v_head_dim)  # wkv_b
+        + att.n_heads * att.v_head_dim * dim  # wo
+    )
+    norms = 2 * dim
+    dense_ffn = 3 * dim * layer.ffn.hidden_dim
+    routed = 3 * moe.num_experts * dim * moe.hidden_dim
+    router = dim * moe.num_experts
+    shared = 3 * dim * moe.hidden_dim * moe.num_shared_experts
+    n_moe = config.n_layers - config.n_dense_layers
+    embedding = config.vocab_size * dim
+    dense = (
+        embedding + dim + dim * config.vocab_size  # tok_embeddings, final norm, lm_head
+        + config.n_layers * (attention + norms) + config.n_dense_layers * dense_ffn
+    )
+    total = dense + n_moe * (router + shared + routed)
+    active = dense + n_moe * (router + shared + routed * moe.top_k // moe.num_experts)
+    return ParamCounts(total=total, active=active, embedding=embedding, routed_experts=n_moe * routed)
+
+
+def flops(config: DeepSeekV3Config, seq_len: int) -> tuple[int, int]:
+    """``(num_params, flops_per_token)`` as TorchTitan counts them: 6 x active
+    non-embedding parameters + 6 x layers x heads x (qk + v head dims) x seq_len."""
+    counts = param_counts(config)
+    att = config.layer.attention
+    head_dims = att.qk_nope_head_dim + att.qk_rope_head_dim + att.v_head_dim
+    per_token = 6 * (counts.active - counts.embedding) + 6 * config.n_layers * att.n_heads * head_dims * seq_len
+    return counts.total, per_token
+
+
+# ------------------------------------------------------------------ validation
+def _divides(value: int, value_key: str, degree: int, degree_key: str) -> None:
+    if degree > 1 and value % degree:
+        raise ConfigError(f"{value_key}={value} is not divisible by {degree_key}={degree}")
+
+
+def validate(config: DeepSeekV3Config, parallelism: Any) -> None:
+    """Degrees against the model, before any worker starts: ``ConfigError`` with one line
+    naming the two numbers that disagree. ``parallelism`` is the job's ``parallelism``
+    node or a ``ParallelDims`` (anything with ``tp``, ``ep``, ``etp``, ``pp`` attributes)."""
+    config.validate()
+    tp = int(getattr(parallelism, "tp", 1) or 1)
+    ep = int(getattr(parallelism, "ep", 1) or 1)
+    etp = int(getattr(parallelism, "etp", 1) or 1)
+    pp = int(getattr(parallelism, "pp", 1) or 1)
+    layer = config.layer
+    _divides(layer.attention.n_heads, "model.layer.attention.n_heads", tp, "parallelism.tp")
+    has_moe = config.n_dense_layers < config.n_layers
+    if config.n_dense_layers > 0:
+        _divides(layer.ffn.hidden_dim, "model.layer.ffn.hidden_dim", tp, "parallelism.tp")
+    if has_moe:
+        _divides(layer.moe.num_experts, "model.layer.moe.num_experts", ep, "parallelism.ep")
+        # Routed experts are tensor-parallel when EP is off (tp) or with etp == tp.
+        experts_tp = tp if ep == 1 else (etp if etp > 1 else 1)
+        _divides(layer.moe.hidden_dim, "model.layer.moe.hidden_dim", experts_tp, "parallelism.tp")
+        if layer.moe.num_shared_experts:
+            _divides(layer.moe.hidden_dim * layer.moe.num_shared_experts,
+                     "model.layer.moe.hidden_dim*num_shared_experts", tp, "parallelism.tp")
+    elif ep > 1:
+        raise ConfigError(
+            f"parallelism.ep={ep} needs MoE layers, but model.n_dense_layers={config.n_dense_layers} "
+            f"= model.n_layers={config.n_layers}"
+        )
+    if pp > 1 and config.n_layers < pp:
+        raise ConfigError(f"model.n_layers={config.n_layers} is fewer than parallelism.pp={pp} stages")

@@ -18,8 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_deepseek_v3.config import DeepSeekV3Config
+from titan_plugins.components.attention import attend
 from titan_plugins.components.compute_dtype import cast
-from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
+from titan_plugins.components.feed_forward import FeedForward
+from titan_plugins.components.init import (
+    depth_scaled_std,
+    init_block_,
+    init_decoder_,
+    trunc_normal_,
+)
 from titan_plugins.components.moe import MoE
 
 
@@ -96,7 +103,7 @@ class SDPA(nn.Module):
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale)
+        return attend(q, k, v, mask, scale=self.scale)  # None: causal (no flex backend for MLA here)
 
 
 class Attention(nn.Module):
@@ -184,8 +191,8 @@ class TransformerBlock(nn.Module):
             self.moe = MoE(layer.moe, dim, layer.moe.hidden_dim)
         else:
             self.feed_forward = FeedForward(dim, layer.ffn.hidden_dim)
-        # Deeper blocks start smaller (TorchTitan's depth-scaled init).
-        self.weight_init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+        # Deeper blocks start smaller (TorchTitan's depth-scaled init, always by layer here).
+        self.weight_init_std = depth_scaled_std(layer_id, config.n_layers)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache=None) -> torch.Tensor:
         # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
@@ -194,13 +201,7 @@ class TransformerBlock(nn.Module):
         return x + ffn(self.ffn_norm(x))
 
     def init_weights(self, buffer_device: torch.device | None = None) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.weight_init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std)
+        init_block_(self, buffer_device)
 
 
 # ---------------------------------------------------------------------------- model
@@ -257,20 +258,7 @@ class DeepSeekV3Model(nn.Module):
         buffer_device = buffer_device or self.freqs_cis.device
         with torch.device(buffer_device):
             self.freqs_cis = precompute_freqs_cis(self.config)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.lm_head is not None:
-            std = self.config.dim**-0.5
-            weight = self.lm_head.weight
-            tmp = weight.float()
-            nn.init.trunc_normal_(tmp, mean=0.0, std=std, a=-3 * std, b=3 * std)
-            if tmp is not weight:
-                weight.copy_(tmp)
+        init_decoder_(self, buffer_device, self.lm_head, self.config.dim)
 
 
 def build(config: DeepSeekV3Config) -> DeepSeekV3Model:

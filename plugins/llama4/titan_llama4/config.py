@@ -8,9 +8,9 @@ flavors in ``__init__.py``); every derived size is computed here, once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.errors import ConfigError
@@ -25,18 +25,6 @@ __all__ = [
     "num_params",
     "validate",
 ]
-
-
-class AttentionBackend(str, Enum):
-    """Kernel for the chunked-local (iRoPE) layers; full causal layers always use SDPA.
-
-    ``auto``: flex attention where it has a backward (CUDA), else SDPA with an explicit
-    chunked-causal boolean mask (CPU). Both compute the same function.
-    """
-
-    auto = "auto"
-    sdpa = "sdpa"
-    flex = "flex"
 
 
 @dataclass
@@ -89,6 +77,7 @@ class Llama4Config:
     attn_temperature_tuning: bool = False
     floor_scale: int = 8192
     attn_scale: float = 0.1
+    # Kernel of the chunked-local (iRoPE) and document-masked layers; plain causal layers use SDPA.
     attn_backend: AttentionBackend = AttentionBackend.auto
     # block_causal (TorchTitan's irope flavors): no attention across documents, each
     # ending at eos_id. 2047 is the shipped tokenizer's <|eos|> (the debug flavors'

@@ -22,9 +22,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_llama4.config import AttentionMask, Llama4Config, RoPEScaling
+from titan_plugins.components.attention import attend, use_flex
 from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
 from titan_plugins.components.compute_dtype import cast, linear
-from titan_plugins.components.feed_forward import FeedForward, trunc_normal_
+from titan_plugins.components.feed_forward import FeedForward
+from titan_plugins.components.init import (
+    depth_scaled_std,
+    init_block_,
+    init_decoder_,
+    trunc_normal_,
+)
 from titan_plugins.components.moe import MoE
 
 __all__ = ["Llama4", "build", "precompute_freqs_cis"]
@@ -63,19 +70,6 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
 def _document_free_mask(seq_len: int, chunk: int, device: torch.device, flex: bool):
     """Chunked-causal mask without documents: the same for every batch, cached."""
     return (block_mask if flex else dense_mask)(None, seq_len, chunk, device)
-
-
-@functools.cache
-def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention)
-
-
-def _eager_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return flex_attention
 
 
 class InnerAttention(nn.Module):
@@ -126,17 +120,12 @@ class InnerAttention(nn.Module):
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq else None
         if chunk is None and doc is None:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
-        flex = self.backend == "flex" or (self.backend == "auto" and q.is_cuda)
+        flex = use_flex(self.backend, q.device)
         if doc is None:
             mask = _document_free_mask(seq, chunk, q.device, flex)
         else:
             mask = (block_mask if flex else dense_mask)(doc, seq, chunk, q.device)
-        if flex:
-            kernel = _compiled_flex() if q.is_cuda else _eager_flex()
-            out = kernel(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return out.transpose(1, 2)
+        return attend(q, k, v, mask, enable_gqa=gqa).transpose(1, 2)
 
     def _tune_temperature(self, q: torch.Tensor, start: int) -> torch.Tensor:
         floor_scale, attn_scale = self.temperature
@@ -203,8 +192,7 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(config.dim, config.ffn_hidden_dim)
         self.attention_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
         self.ffn_norm = nn.RMSNorm(config.dim, eps=config.norm_eps)
-        depth = layer_id + 1 if config.depth_init else config.n_layers
-        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+        self.weight_init_std = depth_scaled_std(layer_id, config.n_layers, config.depth_init)
 
     def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, doc: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
@@ -214,13 +202,7 @@ class TransformerBlock(nn.Module):
         return h + _like(ffn(self.ffn_norm(h)), h)
 
     def init_weights(self, buffer_device: torch.device | None) -> None:
-        self.attention_norm.reset_parameters()
-        self.ffn_norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.weight_init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std)
+        init_block_(self, buffer_device)
 
 
 # -------------------------------------------------------------------- model
@@ -251,16 +233,7 @@ class Llama4(nn.Module):
         buffer_device = buffer_device or self.freqs_cis.device
         with torch.device(buffer_device):
             self.freqs_cis = self._precompute_freqs_cis()
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None:
-            std = self.config.dim**-0.5
-            _trunc_normal_cutoff(self.output.weight, std, 3.0)
+        init_decoder_(self, buffer_device, self.output, self.config.dim)
 
     def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
         """Compute matmuls in ``dtype`` while parameters keep their own dtype."""
@@ -310,15 +283,6 @@ class Llama4(nn.Module):
         if self.output is None:
             return h
         return linear(cast(h, self.compute_dtype), self.output, self.compute_dtype)
-
-
-def _trunc_normal_cutoff(tensor: torch.Tensor, std: float, cutoff: float) -> None:
-    """Truncated normal in ``[-cutoff*std, cutoff*std]``, sampled in float32."""
-    tmp = tensor.float()
-    nn.init.trunc_normal_(tmp, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std)
-    if tmp is not tensor:
-        with torch.no_grad():
-            tensor.copy_(tmp)
 
 
 def build(config: Llama4Config) -> Llama4:

@@ -8,9 +8,9 @@ are TorchTitan v0.2.2's (``torchtitan/models/qwen3``: ``Qwen3ModelArgs`` and the
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from enum import Enum
 from typing import Any
 
+from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.errors import ConfigError
@@ -24,15 +24,6 @@ __all__ = [
     "num_params",
     "validate",
 ]
-
-
-class AttentionBackend(str, Enum):
-    """``auto``: flex attention where it has a backward (CUDA), SDPA on CPU.
-    ``flex`` on CPU runs forward only (torch has no CPU backward for it)."""
-
-    auto = "auto"
-    sdpa = "sdpa"
-    flex = "flex"
 
 
 @dataclass(kw_only=True)

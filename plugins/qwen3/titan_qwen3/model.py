@@ -9,26 +9,23 @@ surgery lives in ``parallelize.py``; this file only keeps the shapes DTensor-fri
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
+from titan_plugins.components.attention import AttentionBackend, attend, use_flex
 from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
 from titan_plugins.components.compute_dtype import linear
 from titan_plugins.components.feed_forward import FeedForward
+from titan_plugins.components.init import (
+    depth_scaled_std,
+    init_block_,
+    init_decoder_,
+    trunc_normal_,
+)
 from titan_plugins.components.moe import MoE
-from titan_qwen3.config import AttentionBackend, AttentionMask, Qwen3Config
+from titan_qwen3.config import AttentionMask, Qwen3Config
 
 AttentionMaskT = torch.Tensor | BlockMask | None
-
-
-def trunc_normal_(t: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> None:
-    """TorchTitan's truncated normal: sampled in float32, cast back."""
-    tmp = t.float()
-    nn.init.trunc_normal_(tmp, mean=mean, std=std, a=a, b=b)
-    if tmp is not t:
-        with torch.no_grad():
-            t.copy_(tmp)
 
 
 # ----------------------------------------------------------------- rotary
@@ -80,12 +77,7 @@ class AttentionKernel(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
         if mask is None and use_flex(self.backend, q.device):
             mask = self._causal_block_mask(q.shape[2], q.device)
-        if isinstance(mask, BlockMask):
-            kernel = _flex_kernel(q.device)
-            return kernel(q, k, v, block_mask=mask, scale=self.scale, enable_gqa=self.enable_gqa)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale, enable_gqa=self.enable_gqa
-        )
+        return attend(q, k, v, mask, scale=self.scale, enable_gqa=self.enable_gqa)
 
     def _causal_block_mask(self, seqlen: int, device: torch.device) -> BlockMask:
         key = (seqlen, str(device))
@@ -94,24 +86,6 @@ class AttentionKernel(nn.Module):
                 lambda b, h, q, kv: q >= kv, 1, None, seqlen, seqlen, device=device
             )
         return self._causal[key]
-
-
-_compiled_flex = None
-
-
-def _flex_kernel(device: torch.device):
-    global _compiled_flex
-    if device.type != "cuda":
-        return flex_attention
-    _compiled_flex = _compiled_flex or torch.compile(flex_attention)
-    return _compiled_flex
-
-
-def use_flex(backend: AttentionBackend, device: torch.device) -> bool:
-    """``auto`` picks flex attention where it has a backward (CUDA), else SDPA."""
-    if backend is AttentionBackend.auto:
-        return device.type == "cuda"
-    return backend is AttentionBackend.flex
 
 
 class Attention(nn.Module):
@@ -165,9 +139,7 @@ class TransformerBlock(nn.Module):
             self.feed_forward = FeedForward(c.dim, c.hidden_dim)
         self.attention_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
         self.ffn_norm = nn.RMSNorm(c.dim, eps=c.norm_eps)
-        # TorchTitan's depth-scaled init: std shrinks with the block's depth.
-        depth = layer_id + 1 if c.depth_init else c.n_layers
-        self.weight_init_std = 0.02 / (2 * depth) ** 0.5
+        self.weight_init_std = depth_scaled_std(layer_id, c.n_layers, c.depth_init)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: AttentionMaskT, cache=None) -> torch.Tensor:
         # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
@@ -176,13 +148,7 @@ class TransformerBlock(nn.Module):
         return x + mlp(self.ffn_norm(x))
 
     def init_weights(self, buffer_device: torch.device | None) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        self.attention.init_weights(self.weight_init_std)
-        if self.moe_enabled:
-            self.moe.init_weights(self.weight_init_std, buffer_device)
-        else:
-            self.feed_forward.init_weights(self.weight_init_std)
+        init_block_(self, buffer_device)
 
 
 # --------------------------------------------------------------------- model
@@ -214,18 +180,11 @@ class Qwen3Model(nn.Module):
         c = self.config
         buffer_device = buffer_device or self.rope_cache.device
         self.rope_cache = rope_cache(c.head_dim, c.max_seq_len, c.rope_theta, device=buffer_device)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight)
-        for layer in self.layers.values():
-            if layer is not None:
-                layer.init_weights(buffer_device)
-        if self.norm is not None:
-            self.norm.reset_parameters()
+        # Re-tie (to_empty gives each module its own tensor); the output init then
+        # overwrites the shared weight, drawing the same numbers as tying after the norm.
         if c.enable_weight_tying and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
-        if self.output is not None:
-            std = c.dim**-0.5
-            trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+        init_decoder_(self, buffer_device, self.output, c.dim)
 
     def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
         """Compute the projections and experts in ``dtype``; weights keep theirs.

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_plugins.components.compute_dtype import cast
-from titan_plugins.components.feed_forward import trunc_normal_
+from titan_plugins.components.init import trunc_normal_
 
 HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_plugins.components.compute_dtype import cast
-from titan_plugins.components.feed_forward import trunc_normal_
+from titan_plugins.components.init import trunc_normal_
 from titan_plugins.components.moe.config import ScoreFunc
 
 
