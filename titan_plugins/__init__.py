@@ -5,6 +5,12 @@ This module must stay light: listing plugins imports it and must not import torc
 
 from titan_plugins.errors import ConfigError, PluginLoadError, TitanError
 from titan_plugins.hookspecs import hookimpl
+from titan_plugins.protocols import (
+    DecodingModel,
+    HFStateDictAdapter,
+    ModelProtocol,
+    StateDictAdapter,
+)
 from titan_plugins.spec import Capabilities, DatasetSpec, ModelSpec, PipelineInfo, resolve
 
 __version__ = "0.1.0"
@@ -16,9 +22,13 @@ __all__ = [
     "Capabilities",
     "ConfigError",
     "DatasetSpec",
+    "DecodingModel",
+    "HFStateDictAdapter",
+    "ModelProtocol",
     "ModelSpec",
     "PipelineInfo",
     "PluginLoadError",
+    "StateDictAdapter",
     "TitanError",
     "hookimpl",
     "resolve",

@@ -7,9 +7,14 @@ the hook names below.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 PROJECT_NAME = "titan_plugins"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -44,7 +49,7 @@ def titan_config_searchpath() -> str | list[str] | None:
 
 
 @hookspec(firstresult=True)
-def titan_after_parallelize(model: Any, parallel_dims: Any, job_config: Any) -> Any:
+def titan_after_parallelize(model: Any, parallel_dims: ParallelDims, job_config: DictConfig) -> Any:
     """Called once per model part after the model's parallelize hook, before
     ``to_empty`` and ``init_weights``. ``firstresult``: the first non-None result
     is the model part the trainer uses; the core's own implementation returns
@@ -61,7 +66,7 @@ def titan_after_parallelize(model: Any, parallel_dims: Any, job_config: Any) -> 
 
 
 @hookspec
-def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
+def titan_on_train_start(job_config: DictConfig, run_dir: str, rank: int) -> None:
     """Called on every rank before the first step.
 
     :param job_config: the resolved job config.
@@ -71,7 +76,7 @@ def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
 
 
 @hookspec
-def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+def titan_on_step_end(step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
     """Called on every rank after each optimizer step; metric sinks (W&B, MLflow,
     CSV) usually act only where ``rank == 0``.
 
@@ -84,7 +89,7 @@ def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, ran
 
 
 @hookspec
-def titan_on_validation_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+def titan_on_validation_end(step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
     """Called on every rank after each validation (``validation.enabled``), with the
     held-out loss of the model as it is after ``step``; sinks act where ``rank == 0``.
 
@@ -97,7 +102,7 @@ def titan_on_validation_end(step: int, metrics: dict[str, float], job_config: An
 
 
 @hookspec
-def titan_on_train_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+def titan_on_train_end(step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
     """Called on every rank after the last step (also after a resumed run that
     had nothing left to do).
 

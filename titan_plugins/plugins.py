@@ -356,7 +356,7 @@ class TitanPluginManager(pluggy.PluginManager):
         plugin (and distribution) that registered it."""
         specs: list = []
 
-        def register(spec: Any) -> None:
+        def register(spec: ModelSpec | DatasetSpec) -> None:
             if not isinstance(spec, kind):
                 raise TypeError(
                     f"{hook_name}: register() expects a {kind.__name__}, got {type(spec).__name__}"

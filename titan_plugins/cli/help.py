@@ -8,7 +8,10 @@ edit to the core. Imports no torch.
 from __future__ import annotations
 
 import textwrap
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from titan_plugins.plugins import TitanPluginManager
 
 USAGE = """\
 usage: titan-run [OVERRIDE ...] [-m] [--cfg job] [--info searchpath] [--help]
@@ -53,7 +56,7 @@ def primary_defaults() -> dict[str, str]:
     return out
 
 
-def format_help(pm: Any) -> str:
+def format_help(pm: TitanPluginManager) -> str:
     """The text of ``titan-run --help`` for the plugins ``pm`` has loaded."""
     from titan_plugins.config.hydra_glue import config_options
     from titan_plugins.config.schema import JobConfig

@@ -20,10 +20,13 @@ import json
 import sys
 import typing
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.cli.errors import main_wrapper
 from titan_plugins.spec import ModelSpec, resolve
+
+if TYPE_CHECKING:
+    from titan_plugins.plugins import TitanPluginManager
 
 SUBCOMMANDS: dict[str, str] = {
     "list": "titan_plugins.cli.plugins_cmd:add_list_parser",
@@ -33,7 +36,7 @@ SUBCOMMANDS: dict[str, str] = {
 
 
 # ---------------------------------------------------------------- gathering
-def _hooks_of(pm: Any, plugin: Any) -> list[str]:
+def _hooks_of(pm: TitanPluginManager, plugin: Any) -> list[str]:
     if plugin is None or not pm.is_registered(plugin):
         return []
     return sorted(caller.name for caller in pm.get_hookcallers(plugin) or [])
@@ -63,7 +66,7 @@ def _ref_name(ref: Any) -> str:
     return f"{getattr(ref, '__module__', '?')}:{getattr(ref, '__qualname__', repr(ref))}"
 
 
-def gather(pm: Any) -> dict[str, Any]:
+def gather(pm: TitanPluginManager) -> dict[str, Any]:
     """Everything ``titan-plugins list --json`` prints."""
     from titan_plugins import API_VERSION, __version__
     from titan_plugins.config.hydra_glue import list_config_options
@@ -106,7 +109,7 @@ def add_list_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_list)
 
 
-def run_list(args: argparse.Namespace, pm: Any) -> int:
+def run_list(args: argparse.Namespace, pm: TitanPluginManager) -> int:
     data = gather(pm)
     if args.json:
         print(json.dumps(data, indent=2))
@@ -184,7 +187,7 @@ def _value(obj: Any, dotted: str) -> Any:
     return obj.value if isinstance(obj, enum.Enum) else obj
 
 
-def run_show(args: argparse.Namespace, pm: Any) -> int:
+def run_show(args: argparse.Namespace, pm: TitanPluginManager) -> int:
     spec = pm.get_model(args.model)  # UnknownModelError: one line, exit 2
     owner = pm.model_owner(args.model)
     schema = resolve(spec.config)

@@ -25,16 +25,22 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError, TitanError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
+    from titan_plugins.spec import ModelSpec
 
 _HYDRA_ONLY = ("--cfg", "-c", "--info", "-i", "--shell-completion", "-sc", "--hydra-help", "--resolve", "-p",
                "--package")
 _MULTIRUN = ("-m", "--multirun")
 
 
-def _usage(pm: Any) -> str:
+def _usage(pm: TitanPluginManager) -> str:
     try:
         from titan_plugins.cli.help import format_help  # type: ignore[import-not-found]
 
@@ -90,7 +96,7 @@ def _slurm_to_torchrun_env() -> None:
     env.setdefault("MASTER_PORT", "29500")
 
 
-def _run_plan(spec: Any, job: Any, pm: Any) -> int:
+def _run_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> int:
     try:
         from titan_plugins.plan import run_plan  # type: ignore[import-not-found]
     except ImportError:
@@ -99,7 +105,7 @@ def _run_plan(spec: Any, job: Any, pm: Any) -> int:
     return int(result) if isinstance(result, int) else 0
 
 
-def _launch_job(spec: Any, job: Any, dims: Any, pm: Any, run_dir: Path) -> int:
+def _launch_job(spec: ModelSpec, job: DictConfig, dims: Any, pm: TitanPluginManager, run_dir: Path) -> int:
     from titan_plugins.distributed.launcher import launch
     from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config
@@ -124,7 +130,7 @@ def _torchrun_run_dir() -> str:
     return f"outputs/torchrun-{run_id}-{master}"
 
 
-def _torchrun_main(overrides: list[str], pm: Any) -> int:
+def _torchrun_main(overrides: list[str], pm: TitanPluginManager) -> int:
     """Train as this process's rank (torchrun / Slurm started us)."""
     from titan_plugins.train.api import prepare_job, write_config
     from titan_plugins.train.worker import run_rank
@@ -195,7 +201,7 @@ def _flag_value(argv: list[str], names: tuple[str, ...]) -> str | None:
     return value
 
 
-def _print_job(overrides: list[str], pm: Any, package: str | None) -> int:
+def _print_job(overrides: list[str], pm: TitanPluginManager, package: str | None) -> int:
     """``--cfg job``: the job as the ranks would read it, the model node filled from its
     flavor (Hydra alone shows the schema's ``???`` there). A missing model or a bad
     override is one line, as for a run."""
@@ -223,7 +229,7 @@ def _check_run_dirs(argv: list[str], multirun: bool) -> None:
         check_writable("multirun" if multirun else "outputs", key)
 
 
-def _run_with_hydra(argv: list[str], pm: Any, multirun: bool) -> int:
+def _run_with_hydra(argv: list[str], pm: TitanPluginManager, multirun: bool) -> int:
     from hydra import version
     from hydra._internal.utils import _run_hydra, get_args_parser
     from hydra.core.hydra_config import HydraConfig

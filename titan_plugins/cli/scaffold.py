@@ -14,9 +14,12 @@ import importlib.resources
 import keyword
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["add_parser", "names_for", "run_new", "scaffold"]
 
@@ -94,7 +97,7 @@ def add_parser(subparsers: Any) -> None:
     p.set_defaults(func=run_new)
 
 
-def run_new(args: argparse.Namespace, pm: Any) -> int:
+def run_new(args: argparse.Namespace, pm: TitanPluginManager) -> int:
     names = names_for(args.name)
     if pm is not None and args.name in pm.models():
         owner = pm.model_owner(args.name)

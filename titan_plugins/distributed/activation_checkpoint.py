@@ -9,19 +9,22 @@ interchangeable between AC settings.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["apply_activation_checkpointing", "checkpoint_mode"]
 
 
-def checkpoint_mode(job_config: Any) -> str:
+def checkpoint_mode(job_config: DictConfig) -> str:
     mode = job_config.training.activation_checkpoint
     return str(getattr(mode, "value", mode))
 
 
-def apply_activation_checkpointing(model: nn.Module, job_config: Any, *, layers_attr: str = "layers") -> None:
+def apply_activation_checkpointing(model: nn.Module, job_config: DictConfig, *, layers_attr: str = "layers") -> None:
     """Wrap blocks of ``model.<layers_attr>`` with non-reentrant checkpointing.
 
     ``selective`` wraps block ``i`` (its global index, so a pipeline stage picks the

@@ -56,7 +56,7 @@ over ``tp`` as well.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,9 @@ from torch.distributed.tensor import (
 
 from titan_plugins.components.moe.moe import MoE
 from titan_plugins.components.moe.token_dispatch import AllToAllTokenDispatcher
+
+if TYPE_CHECKING:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "MoEParallel",
@@ -247,7 +250,7 @@ def apply_moe_parallel(
 
 
 def apply_moe_parallel_to_blocks(
-    layers: Any, parallel_dims: Any, *, sequence_parallel: bool, moe_attr: str = "moe"
+    layers: Any, parallel_dims: ParallelDims, *, sequence_parallel: bool, moe_attr: str = "moe"
 ) -> None:
     """``apply_moe_parallel`` on the MoE of every block this stage owns.
 

@@ -17,11 +17,16 @@ the device nor converts: the plan counts the model's own dtypes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 __all__ = ["MIN_CAPABILITY", "check_float8", "convert_float8", "float8_recipe"]
 
@@ -35,17 +40,17 @@ def _get(node: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def _planning(job: Any) -> bool:
+def _planning(job: DictConfig) -> bool:
     return bool(_get(_get(job, "plan", {}), "enabled", False))
 
 
-def float8_recipe(job: Any) -> str | None:
+def float8_recipe(job: DictConfig) -> str | None:
     """``"tensorwise"`` / ``"rowwise"`` from ``precision.float8``; None when unset."""
     value = _get(job.precision, "float8")
     return None if value is None else str(getattr(value, "value", value))
 
 
-def check_float8(job: Any) -> None:
+def check_float8(job: DictConfig) -> None:
     """One ``ConfigError`` line when this job's float8 setting cannot run here."""
     recipe = float8_recipe(job)
     if recipe is None:
@@ -70,7 +75,7 @@ def check_float8(job: Any) -> None:
         raise ConfigError(f"{key} needs torchao: pip install 'titan-plugins[float8]'") from None
 
 
-def _check_device(key: str, job: Any) -> None:
+def _check_device(key: str, job: DictConfig) -> None:
     import torch
 
     from titan_plugins.distributed.parallel_dims import default_device_and_backend
@@ -95,7 +100,7 @@ def _keep(module: nn.Module, fqn: str) -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
-def convert_float8(model: nn.Module, job: Any, parallel_dims: Any, *, emulate: bool = False) -> nn.Module:
+def convert_float8(model: nn.Module, job: DictConfig, parallel_dims: ParallelDims, *, emulate: bool = False) -> nn.Module:
     """``model`` with torchao ``Float8Linear`` layers when ``precision.float8`` is set
     (in place; returned for convenience). ``emulate`` runs the float8 casts without
     float8 GEMMs (torchao's CPU path, for tests)."""

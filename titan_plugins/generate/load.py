@@ -5,13 +5,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from omegaconf import OmegaConf
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.generate.sampling import supports_generation
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
+    from titan_plugins.spec import ModelSpec
 
 
 @dataclass
@@ -22,7 +28,7 @@ class Loaded:
     source: Path
 
 
-def _materialize(spec: Any, job: Any, device: torch.device) -> torch.nn.Module:
+def _materialize(spec: ModelSpec, job: DictConfig, device: torch.device) -> torch.nn.Module:
     from titan_plugins.train.lifecycle import build_meta_model
 
     model = build_meta_model(spec, job)
@@ -36,7 +42,7 @@ def _materialize(spec: Any, job: Any, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def load_checkpoint(path: str | Path, device: torch.device, pm: Any | None = None) -> Loaded:
+def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManager | None = None) -> Loaded:
     """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir."""
     from titan_plugins.hf.export import find_checkpoint
     from titan_plugins.plugins import get_plugin_manager
@@ -53,7 +59,7 @@ def load_checkpoint(path: str | Path, device: torch.device, pm: Any | None = Non
     return Loaded(model, build_tokenizer(job.data), job, checkpoint)
 
 
-def load_hf(folder: str | Path, model_name: str, device: torch.device, pm: Any | None = None) -> Loaded:
+def load_hf(folder: str | Path, model_name: str, device: torch.device, pm: TitanPluginManager | None = None) -> Loaded:
     """A Hugging Face folder through the plugin's config mapping and adapter (``model.hf``)."""
     from titan_plugins.config.hydra_glue import compose, model_config, resolve_job
     from titan_plugins.hf.load import load_hf_weights

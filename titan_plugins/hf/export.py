@@ -13,11 +13,17 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["export_checkpoint", "export_folder", "export_run", "find_checkpoint", "read_dcp_model", "write_safetensors"]
 
@@ -92,7 +98,7 @@ def write_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, dtype: torch.dt
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _tokenizer_file(job: Any) -> Path | None:
+def _tokenizer_file(job: DictConfig) -> Path | None:
     tok = job.data.get("tokenizer") if hasattr(job, "data") else None
     if tok:
         p = Path(tok)
@@ -106,7 +112,7 @@ def _tokenizer_file(job: Any) -> Path | None:
     return p if p.is_file() else None
 
 
-def export_folder(spec: Any, config: Any, job: Any, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
+def export_folder(spec: ModelSpec, config: Any, job: DictConfig, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
     """Write ``out`` (replaced if it exists) from our full ``state_dict``."""
     to_hf_config = spec.load("config_to_hf")
     adapter_cls = spec.load("state_dict_adapter")
@@ -136,7 +142,7 @@ def export_folder(spec: Any, config: Any, job: Any, state_dict: dict[str, torch.
     return out
 
 
-def export_checkpoint(path: str | Path, out: str | Path, pm: Any | None = None) -> Path:
+def export_checkpoint(path: str | Path, out: str | Path, pm: TitanPluginManager | None = None) -> Path:
     """``titan-export``: a run directory or one of its DCP checkpoints to ``out``."""
     from omegaconf import OmegaConf
 

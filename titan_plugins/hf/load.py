@@ -30,11 +30,14 @@ import json
 import re
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["HFCheckpoint", "load_hf_weights"]
 
@@ -179,7 +182,7 @@ def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], use
 
 
 @torch.no_grad()
-def load_hf_weights(parts: list[torch.nn.Module], spec: Any, config: Any, folder: str | Path) -> dict[str, int]:
+def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, folder: str | Path) -> dict[str, int]:
     """Fill every model part from ``folder``. Returns counts: ``loaded`` entries,
     ``sliced`` (of those, read as the shard's slices only) and ``kept`` (left at
     their initial values: Hugging Face has no such tensor)."""

@@ -16,7 +16,13 @@ launch gives (the runtime's ``validate_job`` runs first).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["Plan", "RankPlan", "make_plan", "run_plan"]
 
@@ -29,7 +35,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def run_plan(spec: Any, job: Any, pm: Any) -> int:
+def run_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> int:
     """Plan ``job`` for ``spec``, print the report, return the exit code."""
     from titan_plugins.plan.planner import make_plan
     from titan_plugins.plan.report import render_json, render_text

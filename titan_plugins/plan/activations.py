@@ -37,12 +37,15 @@ microbatches). The last stage adds one microbatch of logits,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from titan_plugins.plan.sharding import model_parallel_shape
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["ActivationEstimate", "estimate_activations", "in_flight_microbatches"]
 
@@ -63,7 +66,7 @@ def _value(x: Any) -> str:
     return str(getattr(x, "value", x))
 
 
-def in_flight_microbatches(job: Any, pp_rank: int) -> float:
+def in_flight_microbatches(job: DictConfig, pp_rank: int) -> float:
     par = job.parallelism
     pp = int(par.pp)
     if pp <= 1:
@@ -160,7 +163,7 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def estimate_activations(
-    parts: list[nn.Module], job: Any, dims: Any, pp_rank: int, layers_attr: str,
+    parts: list[nn.Module], job: DictConfig, dims: Any, pp_rank: int, layers_attr: str,
     last_modules: tuple[str, ...],
 ) -> ActivationEstimate:
     par, training, precision = job.parallelism, job.training, job.precision

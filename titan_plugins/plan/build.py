@@ -10,12 +10,17 @@ out: the parameters stay meta DTensors whose local shapes are this rank's shards
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["RankParts", "build_rank_parts", "coordinates"]
 
@@ -41,7 +46,7 @@ def coordinates(dims: ParallelDims) -> dict[str, int]:
     return out
 
 
-def build_rank_parts(spec: ModelSpec, job: Any, dims: ParallelDims, rank: int, pm: Any) -> RankParts:
+def build_rank_parts(spec: ModelSpec, job: DictConfig, dims: ParallelDims, rank: int, pm: TitanPluginManager) -> RankParts:
     """Build this rank's parts; needs the fake world of ``rank`` to be active."""
     from titan_plugins.distributed import pipeline
     from titan_plugins.train.lifecycle import parallelized_parts

@@ -32,13 +32,16 @@ are left out: a few bytes each.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_plugins.plan.activations import _hidden_dim, _moe_prefixes, _top_k
 from titan_plugins.plan.sharding import FsdpUnit, dtype_name
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["Collective", "collectives_per_step", "summarize"]
 
@@ -74,7 +77,7 @@ def collectives_per_step(
     units_per_part: list[list[FsdpUnit]],
     stages: list[int],
     num_stages: int,
-    job: Any,
+    job: DictConfig,
     dims: Any,
     layers_attr: str,
 ) -> list[Collective]:

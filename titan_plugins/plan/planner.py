@@ -5,12 +5,17 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import OmegaConf
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["GIB", "Plan", "RankPlan", "default_ranks", "make_plan"]
 
@@ -58,7 +63,7 @@ class Plan:
         return self.peak.peak_bytes <= self.device_memory_gb * GIB
 
 
-def _plan_job(job: Any) -> Any:
+def _plan_job(job: DictConfig) -> Any:
     """A copy of the job whose ``parallelism.world_size`` is the planned world."""
     out = copy.deepcopy(job)
     world = job.plan.world_size
@@ -90,7 +95,7 @@ def _stage_summary(part: Any, stage: int, layers_attr: str) -> dict[str, Any]:
     }
 
 
-def _plan_rank(spec: ModelSpec, job: Any, pm: Any, rank: int) -> RankPlan:
+def _plan_rank(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager, rank: int) -> RankPlan:
     from titan_plugins.distributed.fsdp import to_torch_dtype
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.plan.activations import estimate_activations
@@ -125,7 +130,7 @@ def _plan_rank(spec: ModelSpec, job: Any, pm: Any, rank: int) -> RankPlan:
     return plan
 
 
-def make_plan(spec: ModelSpec, job: Any, pm: Any) -> Plan:
+def make_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> Plan:
     """Validate exactly as a launch does, then plan each chosen rank."""
     from titan_plugins.train.api import validate_job
 

@@ -20,12 +20,15 @@ import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["RunResult", "job_world_size", "prepare_job", "read_result", "run", "validate_job", "write_config"]
 
@@ -71,7 +74,7 @@ def job_world_size(job: DictConfig) -> int | None:
     return job.parallelism.world_size
 
 
-def validate_job(spec: ModelSpec, job: DictConfig, pm: Any) -> Any:
+def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> Any:
     """Every check that can run before a rank starts; returns the ``ParallelDims``."""
     from titan_plugins.config.hydra_glue import model_config
     from titan_plugins.distributed.parallel_dims import ParallelDims
@@ -141,7 +144,7 @@ def _check_vocab(model_config: Any, data: DictConfig) -> None:
 
 
 def prepare_job(
-    overrides: Sequence[str], pm: Any, *, run_dir: str | os.PathLike | None = None
+    overrides: Sequence[str], pm: TitanPluginManager, *, run_dir: str | os.PathLike | None = None
 ) -> tuple[ModelSpec, DictConfig, Any]:
     """Compose (Hydra compose API), resolve the model, validate. Returns
     ``(spec, job, parallel_dims)`` with ``job.run_dir`` set if given."""
@@ -151,7 +154,7 @@ def prepare_job(
     return finish_job(cfg, pm, run_dir=run_dir)
 
 
-def finish_job(cfg: DictConfig, pm: Any, *, run_dir: str | os.PathLike | None = None):
+def finish_job(cfg: DictConfig, pm: TitanPluginManager, *, run_dir: str | os.PathLike | None = None):
     from titan_plugins.config.hydra_glue import resolve_job
 
     spec, job = resolve_job(cfg, pm)

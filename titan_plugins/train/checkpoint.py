@@ -22,7 +22,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_plugins.errors import ConfigError, TitanError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = [
     "CheckpointError",
@@ -197,7 +200,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        job: Any,
+        job: DictConfig,
         run_dir: str | os.PathLike,
         parts: list[torch.nn.Module],
         optimizers: list[torch.optim.Optimizer],

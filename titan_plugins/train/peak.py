@@ -16,9 +16,12 @@ import os
 import platform
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = [
     "CPU_PEAK_ENV",
@@ -223,7 +226,7 @@ def _busy() -> bool:
 
 
 # ---------------------------------------------------------------------- run
-def run_peak_tflops(job: Any, device_type: str) -> float | None:
+def run_peak_tflops(job: DictConfig, device_type: str) -> float | None:
     """The peak the trainer divides by: ``metrics.peak_tflops`` if set, else the
     device's peak in the run's compute dtype. On CPU rank 0 measures (or reads the
     cache) while the others wait in a broadcast of its value, so no probe shares

@@ -4,9 +4,12 @@ starts (``titan_plugins.train.api.validate_job`` calls ``check_job``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["check_job"]
 
@@ -23,7 +26,7 @@ _TRAINING_RANGES = {
 }
 
 
-def check_job(job: Any, model_config: Any) -> None:
+def check_job(job: DictConfig, model_config: Any) -> None:
     """Optimizer and schedule values in range, ``training.seq_len`` within the model's
     ``max_seq_len`` (where it has one), the data source readable."""
     training = job.training

@@ -15,9 +15,12 @@ error (drag either onto https://pytorch.org/memory_viz).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["PROFILE_DIR", "StepProfiler", "check_profiling"]
 
@@ -25,7 +28,7 @@ PROFILE_DIR = "profile"
 _MAX_HISTORY = 100_000  # allocator events kept (torch's documented example value)
 
 
-def check_profiling(job: Any) -> None:
+def check_profiling(job: DictConfig) -> None:
     """One line naming the key for a value that cannot work (before any rank starts)."""
     cfg = job.get("profiling")
     if cfg is None or not (cfg.enabled or cfg.memory_snapshot):
@@ -39,7 +42,7 @@ class StepProfiler:
     """Made before the first step (``resumed_at``: the steps already done); the trainer
     calls ``step(n)`` after every step ``n`` and ``close(n)`` after the loop."""
 
-    def __init__(self, job: Any, run_dir: str, rank: int, device_type: str, resumed_at: int = 0) -> None:
+    def __init__(self, job: DictConfig, run_dir: str, rank: int, device_type: str, resumed_at: int = 0) -> None:
         cfg = job.profiling
         self.trace = bool(cfg.enabled)
         self.snapshot = bool(cfg.memory_snapshot) and device_type == "cuda"

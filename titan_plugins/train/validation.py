@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +22,9 @@ from omegaconf import OmegaConf
 from titan_plugins.errors import ConfigError
 from titan_plugins.train.loss import count_tokens
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 __all__ = ["Validator", "validation_data_config"]
 
 # Sources that are one file or folder with no notion of a split: the held-out rows
@@ -29,7 +32,7 @@ __all__ = ["Validator", "validation_data_config"]
 _NO_SPLIT = ("text", "jsonl", "parquet", "mix")
 
 
-def validation_data_config(job: Any) -> Any:
+def validation_data_config(job: DictConfig) -> Any:
     """The data config of the held-out rows: the training data with ``validation.split``,
     or ``validation.name`` / ``validation.path`` where given. Raises ConfigError in one line."""
     val = job.validation
@@ -49,7 +52,7 @@ def validation_data_config(job: Any) -> Any:
     return OmegaConf.create(data)
 
 
-def check_validation(job: Any) -> None:
+def check_validation(job: DictConfig) -> None:
     """Before launch: the numbers and the data source of the validation group."""
     val = job.validation
     if not val.enabled:

@@ -16,11 +16,14 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, OmegaConf
 
 from titan_plugins.failures import record_failure
+
+if TYPE_CHECKING:
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["entry", "load_job", "main", "record_failure", "run_rank"]
 
@@ -47,7 +50,7 @@ def _set_threads() -> None:
         torch.set_num_threads(int(threads))
 
 
-def create_seed_checkpoint(spec: Any, job: DictConfig, run_dir: Path) -> Path:
+def create_seed_checkpoint(spec: ModelSpec, job: DictConfig, run_dir: Path) -> Path:
     """Build on one rank, ``init_weights`` with the seed, save the model with DCP."""
     import torch
 

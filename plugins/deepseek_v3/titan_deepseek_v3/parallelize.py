@@ -18,7 +18,7 @@ is off. Under pipeline parallelism every plan skips what the stage does not own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -44,8 +44,13 @@ from titan_plugins.errors import ConfigError
 
 OUTPUT = "lm_head"
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: DictConfig) -> nn.Module:
     par = job_config.parallelism
     seq_len = int(job_config.training.seq_len)
     if seq_len > model.config.max_seq_len:

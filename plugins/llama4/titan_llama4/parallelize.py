@@ -10,7 +10,7 @@ it reaches ``inner_attention`` untouched, where everything is local anyway.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import distribute_module
@@ -33,6 +33,11 @@ from titan_plugins.distributed.tensor_parallel import (
 )
 
 __all__ = ["parallelize", "apply_tp"]
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 
 class _ReplicateNorm(ReplicateParallel):
@@ -85,7 +90,7 @@ def apply_tp(model: nn.Module, tp_mesh, *, sequence_parallel: bool, loss_paralle
     apply_tp_plan(model, tp_mesh, stage_boundary_plan(model, sequence_parallel=sp))
 
 
-def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: DictConfig) -> nn.Module:
     par = job_config.parallelism
     sp = bool(par.sequence_parallel)
     tp_mesh = parallel_dims.mesh("tp") if parallel_dims.tp_enabled else None

@@ -10,7 +10,7 @@ parallel. Each pipeline stage parallelizes only the modules it owns.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -33,8 +33,13 @@ from titan_plugins.distributed.tensor_parallel import (
 )
 from titan_qwen3.config import validate
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
-def parallelize(model: nn.Module, parallel_dims: Any, job_config: Any) -> nn.Module:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+
+def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: DictConfig) -> nn.Module:
     validate(model.config, parallel_dims)
     par = job_config.parallelism
     sp = bool(par.sequence_parallel)

@@ -21,9 +21,12 @@ import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from titan_plugins.plugins import TitanPluginManager
 
 
 class _Losses:
@@ -42,7 +45,7 @@ def _record(out: Any, **fields: Any) -> None:
     out.flush()
 
 
-def _train(pm: Any, losses: _Losses, config_path: str) -> list[float]:
+def _train(pm: TitanPluginManager, losses: _Losses, config_path: str) -> list[float]:
     from titan_plugins.train.trainer import Trainer
     from titan_plugins.train.worker import load_job
 
@@ -52,7 +55,7 @@ def _train(pm: Any, losses: _Losses, config_path: str) -> list[float]:
     return list(losses.values)
 
 
-def _seed(pm: Any, config_path: str) -> list[float]:
+def _seed(pm: TitanPluginManager, config_path: str) -> list[float]:
     from titan_plugins.train.worker import create_seed_checkpoint, load_job
 
     job = load_job(config_path)

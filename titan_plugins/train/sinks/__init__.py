@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["check_sinks", "default_run_name", "flat_params", "optional_sinks"]
 
@@ -22,7 +25,7 @@ __all__ = ["check_sinks", "default_run_name", "flat_params", "optional_sinks"]
 _PACKAGES = {"mlflow": ("mlflow", "mlflow"), "wandb": ("wandb", "wandb")}
 
 
-def check_sinks(job: Any) -> None:
+def check_sinks(job: DictConfig) -> None:
     """An enabled sink whose package is missing is one line before any rank starts."""
     for key, (module, extra) in _PACKAGES.items():
         cfg = job.metrics.get(key)
@@ -41,13 +44,13 @@ def optional_sinks() -> list[tuple[str, Any]]:
     return [("titan.mlflow", MLflowSink()), ("titan.wandb", WandbSink())]
 
 
-def default_run_name(job: Any, run_dir: str) -> str:
+def default_run_name(job: DictConfig, run_dir: str) -> str:
     """``<model>-<flavor>-<run dir name>``: tells runs apart in a tracker's list."""
     flavor = job.model.get("flavor") or "default"
     return f"{job.model.name}-{flavor}-{Path(run_dir).name}"
 
 
-def flat_params(job: Any) -> dict[str, Any]:
+def flat_params(job: DictConfig) -> dict[str, Any]:
     """The resolved job as ``{"training.lr": 0.003, ...}`` (trackers take flat params)."""
     from omegaconf import OmegaConf
 

@@ -12,10 +12,13 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.train.sinks import default_run_name, flat_params
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["MLflowSink", "tracking_uri"]
 
@@ -30,7 +33,7 @@ class MLflowSink:
         self._run_id: str | None = None
 
     @hookimpl
-    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+    def titan_on_train_start(self, job_config: DictConfig, run_dir: str, rank: int) -> None:
         cfg = job_config.metrics.get("mlflow")
         if rank != 0 or cfg is None or not cfg.enabled:
             return
@@ -60,17 +63,17 @@ class MLflowSink:
         self._client.log_batch(self._run_id, metrics=batch)
 
     @hookimpl
-    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run_id is not None:
             self._log("train", step, metrics)
 
     @hookimpl
-    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run_id is not None:
             self._log("validation", step, metrics)
 
     @hookimpl
-    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run_id is not None:
             self._client.set_terminated(self._run_id, status="FINISHED")
             self._client, self._run_id = None, None

@@ -11,10 +11,13 @@ environment wins over ``mode``, as it does for every W&B script.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.train.sinks import default_run_name, flat_params
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 __all__ = ["WandbSink"]
 
@@ -24,7 +27,7 @@ class WandbSink:
         self._run: Any = None
 
     @hookimpl
-    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+    def titan_on_train_start(self, job_config: DictConfig, run_dir: str, rank: int) -> None:
         cfg = job_config.metrics.get("wandb")
         if rank != 0 or cfg is None or not cfg.enabled:
             return
@@ -42,18 +45,18 @@ class WandbSink:
         )
 
     @hookimpl
-    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run is not None:
             self._run.log({f"train/{k}": float(v) for k, v in metrics.items()}, step=step)
 
     @hookimpl
-    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run is not None:
             # the same step as the step's metrics: W&B merges them into that row
             self._run.log({f"validation/{k}": float(v) for k, v in metrics.items()}, step=step)
 
     @hookimpl
-    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._run is not None:
             self._run.finish()
             self._run = None
