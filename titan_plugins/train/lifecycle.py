@@ -7,7 +7,7 @@ Plugins are called once per model part (one pipeline stage each under PP).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,12 @@ from titan_plugins.distributed.float8 import convert_float8
 from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["ModelParts", "build_meta_model", "build_model_parts", "parallelized_parts"]
 
@@ -42,7 +48,7 @@ class ModelParts:
             yield from part.parameters()
 
 
-def build_meta_model(spec: ModelSpec, job: Any) -> nn.Module:
+def build_meta_model(spec: ModelSpec, job: DictConfig) -> nn.Module:
     """The whole model on the meta device, with the compute dtype set if asked."""
     build = spec.load("build")
     config = model_config(job.model, spec)
@@ -61,7 +67,7 @@ def build_meta_model(spec: ModelSpec, job: Any) -> nn.Module:
 
 
 def parallelized_parts(
-    spec: ModelSpec, job: Any, parallel_dims: Any, pm: Any
+    spec: ModelSpec, job: DictConfig, parallel_dims: ParallelDims, pm: TitanPluginManager
 ) -> list[tuple[int, nn.Module]]:
     """Build on meta, split for this pp rank, then the plugin's ``parallelize`` and the
     ``titan_after_parallelize`` hook per part: ``[(stage index, part)]``, still on meta.
@@ -98,10 +104,10 @@ def parallelized_parts(
 
 def build_model_parts(
     spec: ModelSpec,
-    job: Any,
-    parallel_dims: Any,
+    job: DictConfig,
+    parallel_dims: ParallelDims,
     device: torch.device,
-    pm: Any,
+    pm: TitanPluginManager,
     loss_fn: Any = None,
     *,
     init: bool = True,
