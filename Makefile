@@ -9,6 +9,9 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.titan-bootstrap
 TEST_PATHS := tests $(wildcard plugins/*/tests) $(wildcard examples/*/tests)
 ARGS ?=
+# Two pytest-xdist workers, a test file each at a time (module caches and the kit's sessions stay
+# whole): in-process tests run beside the multi-rank ones on the 2-core CI box.
+JOBS ?= 2
 
 .PHONY: venv run test test-fast lint clean
 
@@ -23,10 +26,10 @@ run: venv
 	$(BIN)/titan-run model=deepseek_v3 parallelism=fsdp4_tp2_ep2 $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest -q $(TEST_PATHS) $(ARGS)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile $(TEST_PATHS) $(ARGS)
 
 test-fast: venv
-	$(BIN)/python -m pytest -q -m "not slow and not titan_slow" $(TEST_PATHS) $(ARGS)
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not slow and not titan_slow" $(TEST_PATHS) $(ARGS)
 
 lint: venv
 	$(BIN)/ruff check .
