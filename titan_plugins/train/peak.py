@@ -196,8 +196,12 @@ def _env_preset(dtype: str) -> tuple[bool, float | None]:
 
 
 def cpu_peak_tflops(dtype: Any = "fp32", *, probe: bool = True, seconds: float = 0.3) -> float | None:
-    """This CPU's matmul peak in ``dtype`` with torch's current thread count: the
-    env preset, else the cache, else (with ``probe``) a measurement that is cached."""
+    """This CPU's matmul peak in ``dtype`` with torch's current thread count: the env
+    preset, else the best of a fresh measurement (with ``probe``) and the cached best.
+
+    A peak is the best ever observed: a probe taken while other work shares the cores
+    reads low, so it never replaces a higher cached value, and a low value cached once
+    (the load average lags a burst) is healed by the next quiet probe."""
     key = dtype_key(dtype)
     preset, value = _env_preset(key)
     if preset:
@@ -205,16 +209,14 @@ def cpu_peak_tflops(dtype: Any = "fp32", *, probe: bool = True, seconds: float =
     if key == "fp8":
         return None  # no float8 matmuls on CPU
     path, threads = cache_path(), torch.get_num_threads()
-    cached = _read_cache(path).get(_cache_key(threads), {}).get(key)
-    if cached:
-        return float(cached)
+    cached = float(_read_cache(path).get(_cache_key(threads), {}).get(key) or 0.0)
     if not probe:
-        return None
+        return cached or None
     value = measure_matmul_tflops({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key],
                                   seconds=seconds)
-    if not _busy():  # a probe on a loaded machine is low: used for this run, measured again next time
+    if value > cached and not _busy():  # a probe on a loaded machine is used for this run only
         _write_cache(path, _cache_key(threads), key, value)
-    return value
+    return max(value, cached)
 
 
 def _busy() -> bool:
