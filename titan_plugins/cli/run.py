@@ -109,13 +109,13 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: Any, pm: TitanPluginMana
     from titan_plugins.distributed.launcher import launch
     from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config
-    from titan_plugins.train.worker import entry
+    from titan_plugins.train.worker import RANK_PRELOAD, entry
 
     config_path = write_config(job, run_dir)
     if job.plan.enabled:
         return _run_plan(spec, job, pm)
     clear_error_file(run_dir)
-    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE)
+    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=RANK_PRELOAD)
 
 
 def _torchrun_run_dir() -> str:

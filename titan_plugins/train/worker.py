@@ -25,7 +25,10 @@ from titan_plugins.failures import record_failure
 if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["entry", "load_job", "main", "record_failure", "run_rank"]
+__all__ = ["RANK_PRELOAD", "entry", "load_job", "main", "record_failure", "run_rank"]
+
+# Imported once by the launcher's fork server for every rank (titan_plugins/train/preload.py).
+RANK_PRELOAD = ("titan_plugins.train.preload",)
 
 
 def load_job(path: str | os.PathLike) -> DictConfig:
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
 
     config_path, nproc = argv[0], int(argv[1])
     try:
-        return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE)
+        return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE,
+                      preload=RANK_PRELOAD)
     except TitanError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
