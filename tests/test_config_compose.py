@@ -65,9 +65,12 @@ def test_typed_overrides_of_core_groups(pm: Any) -> None:
 
 def test_plan_switch_is_normalized(pm: Any) -> None:
     assert hydra_glue.normalize_overrides(["plan=true", "plan=False", "plan.world_size=8"]) == [
-        "plan.enabled=true", "plan.enabled=false", "plan.world_size=8"]
+        "plan.enabled=true", "plan.enabled=false", "parallelism.world_size=8"]
     cfg = hydra_glue.compose(["model=toy", "plan=true", "plan.world_size=64"], pm)
-    assert cfg.plan.enabled is True and cfg.plan.world_size == 64
+    assert cfg.plan.enabled is True and cfg.parallelism.world_size == 64
+    assert "world_size" not in cfg.plan  # one world-size key: parallelism.world_size
+    swept = hydra_glue.normalize_overrides(["plan.world_size=8,16"])  # a multirun sweep stays one
+    assert swept == ["parallelism.world_size=8,16"]
 
 
 BAD = [

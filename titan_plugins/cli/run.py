@@ -32,6 +32,7 @@ from titan_plugins.errors import ConfigError, TitanError
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.plugins import TitanPluginManager
     from titan_plugins.spec import ModelSpec
 
@@ -105,7 +106,7 @@ def _run_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> int:
     return int(result) if isinstance(result, int) else 0
 
 
-def _launch_job(spec: ModelSpec, job: DictConfig, dims: Any, pm: TitanPluginManager, run_dir: Path) -> int:
+def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanPluginManager, run_dir: Path) -> int:
     from titan_plugins.distributed.launcher import launch
     from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config

@@ -12,11 +12,16 @@ backward, best of 3 interleaved): bf16 compute 1.18x fp32, ``torch.autocast`` 0.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 
 def cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -38,7 +43,24 @@ def linear(x: torch.Tensor, module: nn.Linear, dtype: torch.dtype | None) -> tor
     return F.linear(cast(x, dtype), cast(module.weight, dtype), bias)
 
 
-def unsharded_compute_dtype(precision: Any, parallel_dims: Any) -> torch.dtype | None:
+class ComputeDtypeMixin:
+    """``set_compute_dtype`` for a model whose modules read a ``compute_dtype`` attribute
+    (the projections, norms, attention, FFN, experts and output each cast to it).
+
+    Mix in before ``nn.Module``: ``class MyModel(ComputeDtypeMixin, nn.Module)``.
+    """
+
+    compute_dtype: torch.dtype | None = None
+
+    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
+        """Compute in ``dtype`` (``None``: the parameters' dtype); parameters and
+        buffers keep their own dtype. Sets every module that has the attribute."""
+        for module in self.modules():  # type: ignore[attr-defined]  # an nn.Module
+            if hasattr(module, "compute_dtype"):
+                module.compute_dtype = dtype
+
+
+def unsharded_compute_dtype(precision: DictConfig, parallel_dims: ParallelDims) -> torch.dtype | None:
     """The compute dtype implied by ``precision.param_dtype`` when nothing shards or
     splits the model (no FSDP/HSDP, TP, PP or EP), else None.
 

@@ -22,14 +22,21 @@ from titan_plugins.plugins import TitanPluginManager
 from titan_plugins.spec import ModelSpec, resolve
 
 _PLAN_SWITCH = re.compile(r"^plan=(true|false|True|False)$")
+_PLAN_WORLD = "plan.world_size="
 
 
 def normalize_overrides(overrides: Sequence[str]) -> list[str]:
-    """``plan=true`` is shorthand for ``plan.enabled=true`` (``plan`` is a node, so
-    that ``plan.world_size=N`` works beside it)."""
-    return [
-        f"plan.enabled={m.group(1).lower()}" if (m := _PLAN_SWITCH.match(o)) else o for o in overrides
-    ]
+    """``plan=true`` is shorthand for ``plan.enabled=true`` (``plan`` is a node beside
+    ``plan.ranks`` and the rest). ``plan.world_size=N`` is another spelling of
+    ``parallelism.world_size=N``: the world size is one key, for a plan as for a run."""
+    out = []
+    for o in overrides:
+        if m := _PLAN_SWITCH.match(o):
+            o = f"plan.enabled={m.group(1).lower()}"
+        elif o.startswith(_PLAN_WORLD):
+            o = "parallelism.world_size=" + o[len(_PLAN_WORLD):]
+        out.append(o)
+    return out
 
 
 def compose(overrides: Sequence[str], pm: TitanPluginManager, *, return_hydra_config: bool = False) -> DictConfig:

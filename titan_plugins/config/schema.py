@@ -188,8 +188,9 @@ class ProfilingConfig:
 
 @dataclass
 class PlanConfig:
+    # The planned world is parallelism.world_size (one key for a plan and a run);
+    # ``plan.world_size=N`` on the command line is read as that key (config/compose.py).
     enabled: bool = False
-    world_size: int | None = None
     ranks: list[int] | None = None  # default: rank 0 and the first rank of the last stage
     device_memory_gb: float = 80.0
     json: bool = False

@@ -9,20 +9,26 @@ factor of 1 and sum-only reductions (gloo has no PREMUL_SUM).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from enum import Enum
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
 __all__ = ["apply_fsdp", "mixed_precision_policy", "reshard_after_forward", "to_torch_dtype"]
 
 
-def _value(x: Any) -> str:
+def _value(x: str | Enum | torch.dtype) -> str:
     """An Enum member or a plain string from a (typed or untyped) config node."""
     return str(getattr(x, "value", x))
 
 
-def to_torch_dtype(name: Any) -> torch.dtype:
+def to_torch_dtype(name: str | Enum | torch.dtype) -> torch.dtype:
     """``"float32"`` / ``Dtype.bfloat16`` / ``"bf16"`` -> ``torch.dtype``."""
     text = _value(name)
     aliases = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -32,7 +38,7 @@ def to_torch_dtype(name: Any) -> torch.dtype:
     return dtype
 
 
-def mixed_precision_policy(job_config: Any):
+def mixed_precision_policy(job_config: DictConfig):
     """FSDP's ``MixedPrecisionPolicy`` from ``job_config.precision``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -43,7 +49,7 @@ def mixed_precision_policy(job_config: Any):
     )
 
 
-def reshard_after_forward(job_config: Any, pp_enabled: bool) -> bool:
+def reshard_after_forward(job_config: DictConfig, pp_enabled: bool) -> bool:
     """``parallelism.fsdp_reshard_after_forward``: ``default`` reshards unless PP is on
     (each microbatch would all-gather again), ``always`` / ``never`` as named."""
     policy = _value(job_config.parallelism.fsdp_reshard_after_forward)
@@ -80,8 +86,8 @@ def _tied(embeddings: nn.Module | None, output: nn.Module | None) -> bool:
 
 def apply_fsdp(
     model: nn.Module,
-    parallel_dims: Any,
-    job_config: Any,
+    parallel_dims: ParallelDims,
+    job_config: DictConfig,
     *,
     layers_attr: str = "layers",
     experts_attr: str | None = None,

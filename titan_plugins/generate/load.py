@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 class Loaded:
     model: torch.nn.Module
     tokenizer: Any
-    job: Any
+    job: DictConfig
     source: Path
 
 

@@ -6,7 +6,7 @@ stages and the plugin's real parallelize hook. Nothing is allocated and no rank
 is spawned; the report reads shard shapes and FSDP state off the modules.
 
     titan-run model=deepseek_v3 model.flavor=671B parallelism=fsdp16_tp8_ep64_pp16 plan=true
-    titan-run model=qwen3 parallelism.dp_shard=-1 parallelism.tp=4 plan=true plan.world_size=512 --json
+    titan-run model=qwen3 parallelism.dp_shard=-1 parallelism.tp=4 plan=true parallelism.world_size=512 --json
 
 ``run_plan(spec, job, pm)`` prints the report (JSON with ``plan.json``) and returns
 0 when the peak per-rank memory fits ``plan.device_memory_gb``, 1 when it does

@@ -47,6 +47,8 @@ from titan_plugins.plan.sharding import model_parallel_shape
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
 __all__ = ["ActivationEstimate", "estimate_activations", "in_flight_microbatches"]
 
 
@@ -163,7 +165,7 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 def estimate_activations(
-    parts: list[nn.Module], job: DictConfig, dims: Any, pp_rank: int, layers_attr: str,
+    parts: list[nn.Module], job: DictConfig, dims: ParallelDims, pp_rank: int, layers_attr: str,
     last_modules: tuple[str, ...],
 ) -> ActivationEstimate:
     par, training, precision = job.parallelism, job.training, job.precision

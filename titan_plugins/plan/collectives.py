@@ -43,6 +43,8 @@ from titan_plugins.plan.sharding import FsdpUnit, dtype_name
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
 __all__ = ["Collective", "collectives_per_step", "summarize"]
 
 
@@ -78,7 +80,7 @@ def collectives_per_step(
     stages: list[int],
     num_stages: int,
     job: DictConfig,
-    dims: Any,
+    dims: ParallelDims,
     layers_attr: str,
 ) -> list[Collective]:
     from titan_plugins.distributed.fsdp import to_torch_dtype

@@ -15,6 +15,7 @@ from titan_plugins.spec import ModelSpec
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["GIB", "Plan", "RankPlan", "default_ranks", "make_plan"]
@@ -63,18 +64,8 @@ class Plan:
         return self.peak.peak_bytes <= self.device_memory_gb * GIB
 
 
-def _plan_job(job: DictConfig) -> Any:
-    """A copy of the job whose ``parallelism.world_size`` is the planned world."""
-    out = copy.deepcopy(job)
-    world = job.plan.world_size
-    if world is not None:
-        if int(world) < 1:
-            raise ConfigError(f"plan.world_size={world} must be a positive integer")
-        out.parallelism.world_size = int(world)
-    return out
 
-
-def default_ranks(dims: Any) -> list[int]:
+def default_ranks(dims: ParallelDims) -> list[int]:
     """Rank 0 and the first rank of the last pipeline stage (pp is the outermost dim)."""
     last = (dims.pp - 1) * (dims.world_size // dims.pp)
     return sorted({0, last})
@@ -135,7 +126,7 @@ def make_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> Plan:
     from titan_plugins.train.api import validate_job
 
     start = time.perf_counter()
-    job = _plan_job(job)
+    job = copy.deepcopy(job)  # parallelism.world_size is filled in below
     dims = validate_job(spec, job, pm)
     job.parallelism.world_size = dims.world_size
     job.parallelism.dp_shard = dims.dp_shard

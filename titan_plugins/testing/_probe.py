@@ -14,7 +14,10 @@ import json
 import os
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 _HERE = os.path.abspath(__file__)
 
@@ -219,7 +222,7 @@ def _one_config(target: Any, kind: str, degrees: dict[str, int]) -> dict[str, An
     return {"ok": True}
 
 
-def _check_sharded(kind: str, part: Any, dims: Any, where: str) -> dict[str, Any] | None:
+def _check_sharded(kind: str, part: Any, dims: ParallelDims, where: str) -> dict[str, Any] | None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 

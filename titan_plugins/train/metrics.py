@@ -13,13 +13,18 @@ import os
 import resource
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.train.peak import default_peak_tflops, peak_tflops_for_name
 from titan_plugins.train.run_report import format_duration
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
 
 __all__ = ["ConsoleSink", "JsonlSink", "TensorBoardSink", "default_peak_tflops", "memory_gib", "peak_tflops_for_name", "register_sinks"]
 
@@ -39,7 +44,7 @@ class ConsoleSink:
     """One line per ``metrics.log_freq`` steps on rank 0."""
 
     @hookimpl
-    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         cfg = job_config.metrics
         if rank != 0 or not cfg.console:
             return
@@ -62,7 +67,7 @@ class ConsoleSink:
 
 
     @hookimpl
-    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if rank == 0 and job_config.metrics.console:
             print(f"validation at step {step:>5} | loss {metrics['loss']:.4f} | "
                   f"perplexity {metrics['perplexity']:.2f} | tokens {metrics['tokens']:,.0f}", flush=True)
@@ -75,23 +80,23 @@ class JsonlSink:
         self._file = None
 
     @hookimpl
-    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+    def titan_on_train_start(self, job_config: DictConfig, run_dir: str, rank: int) -> None:
         if rank != 0 or not job_config.metrics.jsonl:
             return
         self._file = open(Path(run_dir) / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
 
     @hookimpl
-    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._file is not None:
             self._file.write(json.dumps({"step": step, **metrics}) + "\n")
 
     @hookimpl
-    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._file is not None:  # a record of its own kind: readers of step losses skip it
             self._file.write(json.dumps({"validation_step": step, **metrics}) + "\n")
 
     @hookimpl
-    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
@@ -104,7 +109,7 @@ class TensorBoardSink:
         self._writer = None
 
     @hookimpl
-    def titan_on_train_start(self, job_config: Any, run_dir: str, rank: int) -> None:
+    def titan_on_train_start(self, job_config: DictConfig, run_dir: str, rank: int) -> None:
         if rank != 0 or not job_config.metrics.tensorboard:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -112,26 +117,26 @@ class TensorBoardSink:
         self._writer = SummaryWriter(log_dir=os.path.join(run_dir, "tensorboard"))
 
     @hookimpl
-    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_step_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._writer is None:
             return
         for key, value in metrics.items():
             self._writer.add_scalar(f"train/{key}", value, step)
 
     @hookimpl
-    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._writer is not None:
             for key, value in metrics.items():
                 self._writer.add_scalar(f"validation/{key}", value, step)
 
     @hookimpl
-    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
+    def titan_on_train_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
 
 
-def register_sinks(pm: Any) -> None:
+def register_sinks(pm: TitanPluginManager) -> None:
     """Register the built-in sinks (once per manager)."""
     from titan_plugins.train.sinks import optional_sinks  # MLflow, W&B: idle unless enabled
 

@@ -12,7 +12,10 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
 
 __all__ = [
     "RunReport",
@@ -183,7 +186,7 @@ def _precision_text(precision: Any) -> str:
     return text
 
 
-def _meshes_text(dims: Any) -> str:
+def _meshes_text(dims: ParallelDims) -> str:
     degrees = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")}
     used = [f"{k}={v}" for k, v in degrees.items() if v > 1]
     return " x ".join(used) if used else "single rank (no parallelism)"

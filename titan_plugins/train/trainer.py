@@ -12,7 +12,7 @@ import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -32,10 +32,16 @@ from titan_plugins.train.profiling import StepProfiler
 from titan_plugins.train.run_report import RunReport
 from titan_plugins.train.validation import Validator
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.plugins import TitanPluginManager
+    from titan_plugins.train.data.loader import DataLoader
+
 __all__ = ["Trainer", "init_distributed", "set_determinism"]
 
 
-def set_determinism(job: Any) -> None:
+def set_determinism(job: DictConfig) -> None:
     seed = int(job.training.seed)
     torch.manual_seed(seed)
     if job.training.deterministic:
@@ -46,7 +52,7 @@ def set_determinism(job: Any) -> None:
             torch.backends.cudnn.benchmark = False
 
 
-def init_distributed(job: Any) -> tuple[ParallelDims, torch.device]:
+def init_distributed(job: DictConfig) -> tuple[ParallelDims, torch.device]:
     """Process group + meshes for this rank (RANK/WORLD_SIZE from the launcher)."""
     device_type, backend = default_device_and_backend(job.parallelism.device, job.parallelism.backend)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -69,7 +75,7 @@ def init_distributed(job: Any) -> tuple[ParallelDims, torch.device]:
 
 
 class Trainer:
-    def __init__(self, spec: ModelSpec, job: Any, pm: Any, run_dir: str | os.PathLike) -> None:
+    def __init__(self, spec: ModelSpec, job: DictConfig, pm: TitanPluginManager, run_dir: str | os.PathLike) -> None:
         self.spec, self.job, self.pm, self.run_dir = spec, job, pm, str(run_dir)
         self.dims, self.device = init_distributed(job)
         self.rank = dist.get_rank()
@@ -110,7 +116,7 @@ class Trainer:
         self.peak_tflops = run_peak_tflops(job, self.device.type)
 
     # ------------------------------------------------------------------ setup
-    def _build_dataloader(self) -> Any:
+    def _build_dataloader(self) -> DataLoader:
         from titan_plugins.train.data import build_dataloader, build_tokenizer
 
         data_cfg = self.job.data

@@ -19,7 +19,7 @@ from torch import nn
 
 from titan_deepseek_v3.config import DeepSeekV3Config
 from titan_plugins.components.attention import attend
-from titan_plugins.components.compute_dtype import cast
+from titan_plugins.components.compute_dtype import ComputeDtypeMixin, cast
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.init import (
     depth_scaled_std,
@@ -205,7 +205,7 @@ class TransformerBlock(nn.Module):
 
 
 # ---------------------------------------------------------------------------- model
-class DeepSeekV3Model(nn.Module):
+class DeepSeekV3Model(ComputeDtypeMixin, nn.Module):
     """``forward(tokens)``: token ids on the first pipeline stage, hidden states after;
     logits ``(bsz, seq, vocab)`` on the last stage, hidden states elsewhere."""
 
@@ -228,13 +228,6 @@ class DeepSeekV3Model(nn.Module):
     def output(self) -> nn.Linear | None:
         """TorchTitan's name for ``lm_head`` (read-only), for helpers that look it up."""
         return self.lm_head
-
-    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
-        """Compute linear, norm, attention, FFN, expert and output ops in ``dtype``
-        (``None``: the parameters' dtype); parameters and buffers keep their dtype."""
-        for module in self.modules():
-            if hasattr(module, "compute_dtype"):
-                module.compute_dtype = dtype
 
     def forward(self, tokens: torch.Tensor, cache=None) -> torch.Tensor:
         """``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from titan_llama4.config import AttentionMask, Llama4Config, RoPEScaling
 from titan_plugins.components.attention import attend, use_flex
 from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
-from titan_plugins.components.compute_dtype import cast, linear
+from titan_plugins.components.compute_dtype import ComputeDtypeMixin, cast, linear
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.init import (
     depth_scaled_std,
@@ -206,7 +206,7 @@ class TransformerBlock(nn.Module):
 
 
 # -------------------------------------------------------------------- model
-class Llama4(nn.Module):
+class Llama4(ComputeDtypeMixin, nn.Module):
     """``forward(tokens)``: ids ``(batch, seq)`` on the first pipeline stage, hidden
     states ``(batch, seq, dim)`` on later ones; logits ``(batch, seq, vocab)`` on the
     last stage, else hidden states. ``tok_embeddings``/``norm``/``output`` may be None."""
@@ -234,13 +234,6 @@ class Llama4(nn.Module):
         with torch.device(buffer_device):
             self.freqs_cis = self._precompute_freqs_cis()
         init_decoder_(self, buffer_device, self.output, self.config.dim)
-
-    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
-        """Compute matmuls in ``dtype`` while parameters keep their own dtype."""
-        for module in self.modules():
-            if module is not self and hasattr(module, "compute_dtype"):
-                module.compute_dtype = dtype
-        self.compute_dtype = dtype
 
     def stage_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
         """What every pipeline stage needs from the token ids (``PipelineInfo.stage_inputs``):

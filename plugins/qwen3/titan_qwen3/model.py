@@ -14,7 +14,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
 from titan_plugins.components.attention import AttentionBackend, attend, use_flex
 from titan_plugins.components.attention_masks import block_mask, dense_mask, document_ids
-from titan_plugins.components.compute_dtype import linear
+from titan_plugins.components.compute_dtype import ComputeDtypeMixin, linear
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.init import (
     depth_scaled_std,
@@ -152,7 +152,7 @@ class TransformerBlock(nn.Module):
 
 
 # --------------------------------------------------------------------- model
-class Qwen3Model(nn.Module):
+class Qwen3Model(ComputeDtypeMixin, nn.Module):
     """``forward(tokens)``: ids ``[B, S]`` on the first pipeline stage, hidden states
     ``[B, S, D]`` on later ones; logits ``[B, S, V]`` on the last stage."""
 
@@ -185,14 +185,6 @@ class Qwen3Model(nn.Module):
         if c.enable_weight_tying and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
         init_decoder_(self, buffer_device, self.output, c.dim)
-
-    def set_compute_dtype(self, dtype: torch.dtype | None) -> None:
-        """Compute the projections and experts in ``dtype``; weights keep theirs.
-        The output projection computes in its weight dtype (logits at full precision)."""
-        self.compute_dtype = dtype
-        for module in self.modules():
-            if module is not self and hasattr(module, "compute_dtype"):
-                module.compute_dtype = dtype
 
     # ---------------------------------------------------------------- masks
     def stage_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
