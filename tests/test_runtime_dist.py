@@ -98,6 +98,8 @@ def test_failing_rank_ends_the_job_with_its_error(tmp_path):
 
 
 def test_multirun_reports_failed_job_and_goes_on(tmp_path):
+    # The failing job is the second one launched from this process: its ranks must see
+    # its own failure directory (each launch starts its own fork server).
     import os
 
     env = {**os.environ, "TITAN_PLUGINS_EXTRA": "tiny_plugin",
@@ -105,7 +107,7 @@ def test_multirun_reports_failed_job_and_goes_on(tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
         [sys.executable, "-m", "titan_plugins.cli.run", "-m", *BASE, "training.steps=1",
-         "training.local_batch_size=1", "model.fail_on_rank=0,-1", "model.fail_user_error=true",
+         "training.local_batch_size=1", "model.fail_on_rank=-1,0", "model.fail_user_error=true",
          f"hydra.sweep.dir={sweep}"],
         env=env, capture_output=True, text=True, timeout=TIMEOUT,
     )

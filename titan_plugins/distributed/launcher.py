@@ -93,13 +93,33 @@ def _start_method(preload: list[str]) -> str:
     ``preload`` once and every rank forks from it (a spawned rank re-imports torch
     and the trainer, ~5 s of CPU each, most of a short run at 4-8 ranks on a few cores).
     The server forks before any rank state exists (no threads, no CUDA, no process
-    group), so each rank starts as clean as a spawned one."""
+    group), so each rank starts as clean as a spawned one.
+
+    A rank inherits the server's environment, so each launch starts its own server
+    (:func:`_stop_fork_server` after the job): a Hydra multirun's second job must see
+    its own failure directory, not the first job's. Where a server cannot be stopped,
+    later launches in this process spawn."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+    if "forkserver" not in multiprocessing.get_all_start_methods() or _fork_server_stuck:
         return "spawn"
     multiprocessing.set_forkserver_preload(["torch", *preload])
     return "forkserver"
+
+
+_fork_server_stuck = False
+
+
+def _stop_fork_server() -> None:
+    global _fork_server_stuck
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    stop = getattr(server, "_stop", None)  # CPython's own (its tests use it); not public API
+    if stop is None:
+        _fork_server_stuck = True
+        return
+    stop()
 
 
 def _launch(config, entry, config_path, error_file) -> int:
@@ -131,6 +151,8 @@ def _launch(config, entry, config_path, error_file) -> int:
     finally:
         os.environ.pop(FAILURE_DIR_ENV, None)
         shutil.rmtree(failure_dir, ignore_errors=True)
+        if config.start_method == "forkserver":
+            _stop_fork_server()
     return 0
 
 
