@@ -67,9 +67,15 @@ def clip_grad_norm_(
     params = [p for p in parameters if p.grad is not None]
     total = total_grad_norm(params, norm_type, pp_group)
     if max_norm and max_norm > 0:
-        by_mesh: dict[object, list[torch.Tensor]] = {}
+        # torch's clip_grads_with_norm_ arithmetic, applied to the local shards: the
+        # same scalar multiplies every element, so the result is the same, and no
+        # DTensor foreach op has to find a sharding for a list of ~100 placements
+        # (seconds of CPU per rank on the first step of an 8-rank TP x EP run).
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        by_device: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for p in params:
-            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
-        for group in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=None)
+            grad = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            by_device.setdefault((grad.device, grad.dtype), []).append(grad)
+        for (device, _), grads in by_device.items():
+            torch._foreach_mul_(grads, coef.to(device))
     return total
