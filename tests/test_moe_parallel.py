@@ -1,6 +1,6 @@
 """Multi-rank (gloo) tests of MoE expert/tensor parallelism against one-rank references.
 
-Each spawn runs several checks: forward output, input and parameter gradients
+Each run of the ranks (``run_ranks``) does several checks: forward output, input and parameter gradients
 (fp32, tight tolerance) with a sequence length not divisible by the degrees, the
 combine buffer size, and the all-reduced expert-bias update.
 """
@@ -8,13 +8,9 @@ combine buffer size, and the all-reduced expert-bias update.
 from __future__ import annotations
 
 import copy
-import os
-import traceback
 
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from titan_plugins.components.moe import (
@@ -25,7 +21,7 @@ from titan_plugins.components.moe import (
 )
 from titan_plugins.distributed.expert_parallel import apply_moe_parallel
 from titan_plugins.distributed.parallel_dims import ParallelDims
-from titan_plugins.distributed.teardown import destroy_process_groups
+from titan_plugins.testing.gloo import run_ranks
 
 DIM, HIDDEN, LOCAL_BATCH = 16, 8, 2
 TOL = dict(rtol=1e-5, atol=2e-6)
@@ -120,46 +116,12 @@ def _check(rank: int, dims: ParallelDims, case: dict) -> None:
     assert all(torch.equal(b, biases[0]) for b in biases)
 
 
-def _worker(rank: int, world: int, init_file: str, dims_args: dict, cases: list, errors) -> None:
-    torch.set_num_threads(1)
-    finished = False
-    try:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
-        )
-        dims = ParallelDims(world_size=world, dp_replicate=1, pp=1, **dims_args)
-        dims.validate()
-        dims.build_meshes("cpu")
-        for case in cases:
-            _check(rank, dims, case)
-        finished = True
-    except Exception:  # noqa: BLE001 - reported to the parent
-        errors.put(f"rank {rank}: {traceback.format_exc()}")
-        raise
-    finally:
-        destroy_process_groups(synchronize=finished)
-
-
-def _spawn(tmp_path, world: int, dims_args: dict, cases: list) -> None:
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    init_file = os.path.join(tmp_path, "pg_init")
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, init_file, dims_args, cases, errors))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            pytest.fail(f"rank timed out ({dims_args})")
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs)
+def _worker(rank: int, world: int, dims_args: dict, cases: list) -> None:
+    dims = ParallelDims(world_size=world, dp_replicate=1, pp=1, **dims_args)
+    dims.validate()
+    dims.build_meshes("cpu")
+    for case in cases:
+        _check(rank, dims, case)
 
 
 SIGMOID2 = dict(num_experts=8, top_k=2, num_shared_experts=1, score_before_experts=False)
@@ -167,13 +129,13 @@ SOFTMAX3 = dict(num_experts=8, top_k=3, num_shared_experts=2, score_func="softma
 SIGMOID1 = dict(num_experts=4, top_k=1, num_shared_experts=0, route_norm=True, route_scale=2.0)
 
 
-def test_ep2_data_parallel(tmp_path):
+def test_ep2_data_parallel():
     """EP=2, ETP=1, no TP (EP borrows dp_shard=2)."""
     cases = [dict(seq=5, sp=False, moe=SIGMOID2), dict(seq=3, sp=False, moe=SIGMOID1)]
-    _spawn(tmp_path, 2, dict(dp_shard=2, tp=1, ep=2, etp=1), cases)
+    run_ranks(_worker, 2, dict(dp_shard=2, tp=1, ep=2, etp=1), cases)
 
 
-def test_tp2_world2(tmp_path):
+def test_tp2_world2():
     """TP=2 with EP=1 (TP experts) and EP=2 borrowing TP (ETP=1), SP on and off, odd seq."""
     cases = [
         dict(seq=7, sp=True, moe=SIGMOID2),
@@ -181,21 +143,12 @@ def test_tp2_world2(tmp_path):
         # sequence-wise aux loss: dp=1 here, so per-rank means equal the reference's
         dict(seq=5, sp=True, moe={**SOFTMAX3, "seq_aux_loss_coeff": 0.1}),
     ]
-    os.makedirs(tmp_path / "a", exist_ok=True)
-    _spawn(tmp_path / "a", 2, dict(dp_shard=1, tp=2, ep=1, etp=1), cases)
-    os.makedirs(tmp_path / "b", exist_ok=True)
-    _spawn(
-        tmp_path / "b",
-        2,
-        dict(dp_shard=1, tp=2, ep=2, etp=1),
-        cases + [dict(seq=1, sp=True, moe=SIGMOID1)],
-    )
+    run_ranks(_worker, 2, dict(dp_shard=1, tp=2, ep=1, etp=1), cases)
+    run_ranks(_worker, 2, dict(dp_shard=1, tp=2, ep=2, etp=1), cases + [dict(seq=1, sp=True, moe=SIGMOID1)])
 
 
-def test_world4_ep_etp(tmp_path):
+def test_world4_ep_etp():
     """4 ranks: dp_shard=2 x tp=2 with EP=2 ETP=TP, and EP=4 ETP=1 (borrowing all of TP)."""
     cases = [dict(seq=7, sp=True, moe=SIGMOID2), dict(seq=3, sp=False, moe=SOFTMAX3)]
-    os.makedirs(tmp_path / "a", exist_ok=True)
-    _spawn(tmp_path / "a", 4, dict(dp_shard=2, tp=2, ep=2, etp=2), cases)
-    os.makedirs(tmp_path / "b", exist_ok=True)
-    _spawn(tmp_path / "b", 4, dict(dp_shard=2, tp=2, ep=4, etp=1), cases)
+    run_ranks(_worker, 4, dict(dp_shard=2, tp=2, ep=2, etp=2), cases)
+    run_ranks(_worker, 4, dict(dp_shard=2, tp=2, ep=4, etp=1), cases)

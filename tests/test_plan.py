@@ -1,14 +1,12 @@
 """``plan=true``: the plan at full scale in one process (fake process group, meta model).
 
 The at-scale tests need the first-party plugins (installed editable); they are
-skipped where those are missing. The gloo comparison spawns 4 real ranks.
+skipped where those are missing. The gloo comparison starts 4 real ranks (``run_ranks``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -16,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from titan_plugins.config.hydra_glue import compose, resolve_job
-from titan_plugins.distributed.teardown import destroy_process_groups
 from titan_plugins.errors import ConfigError
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing.gloo import run_ranks
 
 TESTS = Path(__file__).resolve().parent
 
@@ -242,46 +240,31 @@ def test_a_plan_that_cannot_fit_says_so(capsys):
 
 
 # --------------------------------------------------- plan vs a real gloo run
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _gloo_rank(rank, world, port, overrides, out_dir):
+def _gloo_rank(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     import torch
-    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.train.lifecycle import build_model_parts
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    finished = False
-    try:
-        spec, job, pm = _job(overrides)
-        dims = ParallelDims.from_config(job.parallelism, world_size=world)
-        dims.build_meshes("cpu")
-        parts = build_model_parts(spec, job, dims, torch.device("cpu"), pm, init=False).parts
-        for part in parts:  # what the first forward does first: FSDP's padded shards
-            if isinstance(part, FSDPModule):
-                part._get_fsdp_state()._lazy_init()
-        numel, stored, seen = 0, 0, set()
-        for part in parts:
-            for p in part.parameters():
-                local = p._local_tensor if isinstance(p, DTensor) else p
-                numel += local.numel()
-                storage = local.untyped_storage()
-                if storage.data_ptr() not in seen:
-                    seen.add(storage.data_ptr())
-                    stored += storage.nbytes()
-        Path(out_dir, f"{rank}.json").write_text(json.dumps({"numel": numel, "bytes": stored}))
-        finished = True
-    finally:
-        destroy_process_groups(synchronize=finished)
+    spec, job, pm = _job(overrides)
+    dims = ParallelDims.from_config(job.parallelism, world_size=world)
+    dims.build_meshes("cpu")
+    parts = build_model_parts(spec, job, dims, torch.device("cpu"), pm, init=False).parts
+    for part in parts:  # what the first forward does first: FSDP's padded shards
+        if isinstance(part, FSDPModule):
+            part._get_fsdp_state()._lazy_init()
+    numel, stored, seen = 0, 0, set()
+    for part in parts:
+        for p in part.parameters():
+            local = p._local_tensor if isinstance(p, DTensor) else p
+            numel += local.numel()
+            storage = local.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                stored += storage.nbytes()
+    return {"numel": numel, "bytes": stored}
 
 
 @pytest.mark.slow
@@ -289,15 +272,13 @@ def _gloo_rank(rank, world, port, overrides, out_dir):
     ("deepseek_v3", ["model=deepseek_v3", "parallelism=fsdp2_tp2_ep2"]),
     ("tiny", ["model=tiny", "parallelism=fsdp2_pp2", "training.local_batch_size=2"]),
 ])
-def test_debugmodel_parameter_memory_equals_gloo(tmp_path, model, overrides):
+def test_debugmodel_parameter_memory_equals_gloo(model, overrides):
     if model != "tiny":
         _needs(model)
-    import torch.multiprocessing as mp
-
     world = 4
-    mp.start_processes(_gloo_rank, args=(world, _free_port(), overrides, str(tmp_path)),
-                       nprocs=world, start_method="fork")
-    real = {r: json.loads((tmp_path / f"{r}.json").read_text()) for r in range(world)}
+    # fork: the ranks reuse the plugins and Hydra this process has loaded (the fork
+    # server's ranks would load and compose them again, ~2x this test's time)
+    real = run_ranks(_gloo_rank, world, overrides, start_method="fork")
     plan = _plan([*overrides, "plan=true", f"plan.ranks=[{','.join(map(str, range(world)))}]"])
     for r in plan.ranks:
         assert r.memory.numel == real[r.rank]["numel"], f"rank {r.rank}"

@@ -1,4 +1,4 @@
-"""Worker for test_parallelize.py: the plugin's parallelize hook on gloo ranks
+"""Rank code for test_parallelize.py (run through ``titan_plugins.testing.gloo.run_ranks``): the plugin's parallelize hook on gloo ranks
 against the same model on one process (no trainer involved).
 
 Every rank builds the reference model from the same seed, then the parallel model
@@ -11,15 +11,11 @@ over data parallel) and every full gradient with the reference.
 from __future__ import annotations
 
 import contextlib
-import os
-import traceback
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-
-from titan_plugins.distributed.teardown import destroy_process_groups
 
 SEQ = 16
 GLOBAL_BATCH = 4
@@ -164,22 +160,13 @@ def run_case(name: str, case: dict, world: int) -> dict:
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "worst_grad_rel": worst}
 
 
-def worker(rank: int, world: int, port: int, names: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    finished = False
-    try:
-        for name in names:
-            try:
-                result = run_case(name, CASES[name], world)
-            except Exception:
-                with open(os.path.join(out_dir, f"error.{rank}.txt"), "a") as f:
-                    f.write(f"case {name}:\n{traceback.format_exc()}\n")
-                raise
-            if rank == 0:
-                with open(os.path.join(out_dir, "results.txt"), "a") as f:
-                    f.write(f"{name}: {result}\n")
-        finished = True
-    finally:
-        destroy_process_groups(synchronize=finished)
+def worker(rank: int, world: int, names: list[str]) -> list[str]:
+    """One rank: the named cases in turn, one ``name: result`` line each."""
+    lines = []
+    for name in names:
+        try:
+            lines.append(f"{name}: {run_case(name, CASES[name], world)}")
+        except Exception as exc:
+            exc.add_note(f"case {name}")
+            raise
+    return lines

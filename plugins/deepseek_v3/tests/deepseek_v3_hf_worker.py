@@ -1,4 +1,5 @@
-"""Rank code for the sharded Hugging Face load check (spawned by test_deepseek_v3_hf.py).
+"""Rank code for the sharded Hugging Face load check (run by test_deepseek_v3_hf.py
+through ``titan_plugins.testing.gloo.run_ranks``).
 
 Per case every rank loads the folder whole into a single-process model (the
 reference) and the parallel model as the trainer builds it (meta build ->
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 import warnings
 
 import torch
@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 
 from titan_plugins.config.schema import JobConfig, ParallelismConfig
 from titan_plugins.distributed.parallel_dims import ParallelDims
-from titan_plugins.distributed.teardown import destroy_process_groups
 from titan_plugins.hf.load import load_hf_weights
 from titan_plugins.plugins import get_plugin_manager
 
@@ -64,21 +63,8 @@ def check(folder: str, par: dict, spec) -> dict:
             "kept": counts["kept"], "local_experts": local_experts.shape[0]}
 
 
-def main(rank: int, world: int, port: int, folder: str, cases: list[dict], result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def main(rank: int, world: int, folder: str, cases: list[dict]) -> list[dict]:
+    """One rank: every layout in turn."""
     warnings.filterwarnings("ignore", message="DTensor random operators")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     spec = get_plugin_manager().get_model("deepseek_v3")
-    results, finished = [], False
-    try:
-        for par in cases:
-            results.append(check(folder, par, spec))
-        finished = True
-    except Exception:
-        results.append({"error": traceback.format_exc()})
-        raise
-    finally:
-        if rank == 0:
-            torch.save(results, os.path.join(result_dir, "results.pt"))
-        destroy_process_groups(synchronize=finished)
+    return [check(folder, par, spec) for par in cases]

@@ -164,19 +164,12 @@ SHARDED = [{"dp_shard": 2, "ep": 2}, {"tp": 2}]  # 2 ranks: FSDP x EP (each rank
 
 @pytest.mark.slow
 def test_sharded_load_matches_one_rank_load(workdir):
-    import socket
-
     import deepseek_v3_hf_worker
-    import torch.multiprocessing as mp
+
+    from titan_plugins.testing.gloo import run_ranks
 
     hf_folder(workdir / "hf")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(deepseek_v3_hf_worker.main, args=(2, port, str(workdir / "hf"), SHARDED, str(workdir)),
-             nprocs=2, join=True)
-    results = torch.load(workdir / "results.pt")
-    assert "error" not in results[-1], results[-1]["error"]
+    results = run_ranks(deepseek_v3_hf_worker.main, 2, str(workdir / "hf"), SHARDED)[0]
     for par, result in zip(SHARDED, results, strict=True):
         assert result["read_whole"] == 0 and result["kept"] == 0, (par, result)  # only the rank's slices
         assert result["max_logits_diff"] <= 1e-5, (par, result)

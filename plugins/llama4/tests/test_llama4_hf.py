@@ -210,20 +210,13 @@ def test_cached_decoding_equals_full_forward_with_hf_settings():
 def test_sharded_load_matches_one_rank_load(tmp_path):
     """2 ranks: FSDP x EP (each rank holds half the experts) and TP (qk-norm and the
     temperature on local heads), each loaded from the folder and equal to one rank."""
-    import socket
-
     import llama4_hf_worker
-    import torch.multiprocessing as mp
+
+    from titan_plugins.testing.gloo import run_ranks
 
     folder, _ = hf_folder(tmp_path)
     layouts = {"fsdp2_ep2": {"dp_shard": 2, "ep": 2}, "tp2": {"tp": 2}}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(llama4_hf_worker.main, args=(2, port, str(folder), list(layouts.values()), str(tmp_path)),
-             nprocs=2, join=True)
-    results = torch.load(tmp_path / "results.pt")
-    assert "error" not in results[-1], results[-1]["error"]
+    results = run_ranks(llama4_hf_worker.main, 2, str(folder), list(layouts.values()))[0]
     for name, result in zip(layouts, results, strict=True):
         assert result["sharded_entries"] > 0 and result["sliced"] > 0, (name, result)  # real shards, sliced reads
         assert result["kept"] == 0, (name, result)

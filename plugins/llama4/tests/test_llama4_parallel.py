@@ -1,6 +1,6 @@
 """The parallelize hook on 4 gloo ranks against one process, without the runtime.
 
-One spawn of 4 ranks runs every case in turn on its own meshes: build on meta ->
+One run of 4 ranks (``run_ranks``) runs every case in turn on its own meshes: build on meta ->
 parallelize -> ``to_empty`` -> ``init_weights`` -> load the single-process model's
 full state dict -> forward/backward on this rank's share of one global batch. The
 summed-token loss and every parameter's full gradient must match the single process.
@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import socket
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from titan_plugins.distributed.teardown import destroy_process_groups
+from titan_plugins.testing.gloo import run_ranks
 
 WORLD = 4
 BATCH, SEQ = 4, 32
@@ -190,69 +186,43 @@ def _run_pipeline_case(cfg, reference, tokens):
         )
 
 
-def _worker(rank, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, world: int) -> list[str]:
+    from titan_llama4.config import AttentionMask
+
+    cfg = _config()
+    irope = dataclasses.replace(
+        cfg, every_n_layers_nope=4, fixed_attn_block_size=8, attn_mask=AttentionMask.block_causal
+    )
+    runs = [(name, par, cfg) for name, par in CASES.items()]
+    runs.append(("fsdp2_tp2 irope (chunk 8, documents)", CASES["fsdp2_tp2"], irope))
+    tokens, labels = _batch(cfg)
     report = []
-    finished = False
-    try:
-        cfg = _config()
-        from titan_llama4.config import AttentionMask
-
-        irope = dataclasses.replace(
-            cfg, every_n_layers_nope=4, fixed_attn_block_size=8, attn_mask=AttentionMask.block_causal
+    for name, par, case_cfg in runs:
+        reference = _reference(case_cfg)
+        logits = reference(tokens)
+        ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (
+            BATCH * SEQ
         )
-        runs = [(name, par, cfg) for name, par in CASES.items()]
-        runs.append(("fsdp2_tp2 irope (chunk 8, documents)", CASES["fsdp2_tp2"], irope))
-        tokens, labels = _batch(cfg)
-        for name, par, case_cfg in runs:
-            reference = _reference(case_cfg)
-            logits = reference(tokens)
-            ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / (
-                BATCH * SEQ
-            )
-            ref_loss.backward()
-            ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
-            reference.zero_grad(set_to_none=True)
-            dl, dg = _run_case(
-                name,
-                par,
-                case_cfg,
-                reference.state_dict(),
-                ref_loss.detach(),
-                ref_grads,
-                tokens,
-                labels,
-            )
-            report.append(f"{name}: |loss diff| {dl:.1e}, max |grad diff| {dg:.1e}")
-        reference = _reference(cfg)
-        _run_pipeline_case(cfg, reference, tokens)
-        report.append("pp stages (dp_shard=2 x tp=2): ok")
-        finished = True
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if rank == 0:
-            with open(os.path.join(out_dir, "report.txt"), "w") as f:
-                f.write("\n".join(report))
-        destroy_process_groups(synchronize=finished)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        ref_loss.backward()
+        ref_grads = {n: p.grad.detach().clone() for n, p in reference.named_parameters()}
+        reference.zero_grad(set_to_none=True)
+        dl, dg = _run_case(
+            name,
+            par,
+            case_cfg,
+            reference.state_dict(),
+            ref_loss.detach(),
+            ref_grads,
+            tokens,
+            labels,
+        )
+        report.append(f"{name}: |loss diff| {dl:.1e}, max |grad diff| {dg:.1e}")
+    reference = _reference(cfg)
+    _run_pipeline_case(cfg, reference, tokens)
+    report.append("pp stages (dp_shard=2 x tp=2): ok")
+    return report
 
 
 @pytest.mark.slow
-def test_parallelize_matches_single_process(tmp_path):
-    try:
-        mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
-    except Exception:
-        errors = sorted(tmp_path.glob("error*.txt"))
-        detail = errors[0].read_text() if errors else "no traceback written"
-        pytest.fail(f"a rank failed:\n{detail}")
-    print((tmp_path / "report.txt").read_text())
+def test_parallelize_matches_single_process():
+    print("\n".join(run_ranks(_worker, WORLD)[0]))

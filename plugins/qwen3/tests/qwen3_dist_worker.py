@@ -1,4 +1,5 @@
-"""Rank code for the in-process multi-rank checks (spawned by test_qwen3_parallel.py).
+"""Rank code for the in-process multi-rank checks (run by test_qwen3_parallel.py
+through ``titan_plugins.testing.gloo.run_ranks``).
 
 Every rank builds the single-process reference (seeded init), then the parallel model
 as the trainer would (meta build -> optional pipeline-stage cut -> parallelize ->
@@ -9,8 +10,6 @@ one forward/backward on the same global batch and compares loss and full gradien
 from __future__ import annotations
 
 import dataclasses
-import os
-import traceback
 import warnings
 
 import torch
@@ -26,7 +25,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from titan_plugins.config.schema import JobConfig, ParallelismConfig
 from titan_plugins.distributed.parallel_dims import ParallelDims
-from titan_plugins.distributed.teardown import destroy_process_groups
 
 
 def _job(par: dict, training: dict):
@@ -171,22 +169,8 @@ def check(case: dict) -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int, cases: list[dict], result_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def main(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """One rank: every case in turn (rank 0's numbers are the ones compared)."""
     warnings.filterwarnings("ignore", message="DTensor random operators")
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = []
-    finished = False
-    try:
-        for case in cases:
-            results.append(check(case))
-        finished = True
-    except Exception:
-        results.append({"error": traceback.format_exc()})
-        raise
-    finally:
-        if rank == 0:
-            torch.save(results, os.path.join(result_dir, "results.pt"))
-        destroy_process_groups(synchronize=finished)
+    return [check(case) for case in cases]

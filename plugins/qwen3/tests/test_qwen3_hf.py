@@ -147,10 +147,9 @@ LAYOUTS = {  # 4 ranks
 
 @pytest.mark.slow
 def test_sharded_load_matches_one_rank_load(tmp_path):
-    import socket
-
     import qwen3_hf_worker
-    import torch.multiprocessing as mp
+
+    from titan_plugins.testing.gloo import run_ranks
 
     dense, _ = hf_folder(tmp_path, "dense")
     moe, _ = hf_folder(tmp_path, "moe", num_experts=8)
@@ -159,12 +158,7 @@ def test_sharded_load_matches_one_rank_load(tmp_path):
         {"folder": folders[kind][0], "flavor": folders[kind][1], "par": par, "stages": stages}
         for kind, par, stages in LAYOUTS.values()
     ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(qwen3_hf_worker.main, args=(4, port, cases, str(tmp_path)), nprocs=4, join=True)
-    results = torch.load(tmp_path / "results.pt")
-    assert "error" not in results[-1], results[-1]["error"]
+    results = run_ranks(qwen3_hf_worker.main, 4, cases)[0]
     for name, result in zip(LAYOUTS, results, strict=True):
         assert result["sharded_entries"] > 0, name  # the ranks really hold slices
         assert result["read_whole"] == 0, name  # and read nothing but their slices

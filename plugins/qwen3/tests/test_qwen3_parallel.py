@@ -3,32 +3,20 @@ the single-process loss and gradients for the same weights and the same batch.""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import qwen3_dist_worker
-import torch
-import torch.multiprocessing as mp
 from titan_qwen3.config import AttentionBackend, AttentionMask
 
 from titan_plugins.compare.tolerances import BF16_COMPUTE, LOSS_PARITY
+from titan_plugins.testing.gloo import run_ranks
 
 # One fp32 forward/backward: gradients differ by float reordering only (measured
 # ~2e-7); the loss uses the project's parity tolerance.
 ATOL = 2e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _run(world: int, cases: list[dict], tmp_path) -> list[dict]:
-    mp.spawn(qwen3_dist_worker.main, args=(world, _free_port(), cases, str(tmp_path)), nprocs=world, join=True)
-    results = torch.load(tmp_path / "results.pt")
-    assert "error" not in results[-1], results[-1]["error"]
-    return results
+def _run(world: int, cases: list[dict]) -> list[dict]:
+    return run_ranks(qwen3_dist_worker.main, world, cases)[0]
 
 
 DENSE = {"flavor": "debugmodel", "overrides": {"n_layers": 2}}
@@ -51,7 +39,7 @@ def _moe_small():
 
 
 @pytest.mark.slow
-def test_tp2_matches_single_process(tmp_path):
+def test_tp2_matches_single_process():
     moe = {"flavor": "debugmodel_moe", "overrides": {"n_layers": 2, "moe": _moe_small()}}
     cases = [
         {**DENSE, "par": {"tp": 2}},                                       # SP + loss parallel
@@ -76,7 +64,7 @@ def test_tp2_matches_single_process(tmp_path):
          "overrides": {"n_layers": 2, "attn_backend": AttentionBackend.flex,
                        "attn_mask": AttentionMask.block_causal, "eos_id": 5}},
     ]
-    results = _run(2, cases, tmp_path)
+    results = _run(2, cases)
     for case, res in zip(cases, results):
         assert res["rope_is_plain"], case
         if case.get("forward_only"):
