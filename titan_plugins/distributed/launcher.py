@@ -103,6 +103,7 @@ def _start_method(preload: list[str]) -> str:
 
     if "forkserver" not in multiprocessing.get_all_start_methods() or _fork_server_stuck:
         return "spawn"
+    _stop_fork_server()  # one left running in this process (a test harness's) has another environment
     multiprocessing.set_forkserver_preload(["torch", *preload])
     return "forkserver"
 

@@ -76,7 +76,11 @@ class GroupedExperts(nn.Module):
         return run(w1, w2, w3, cast(x, dtype), num_tokens_per_expert)
 
     def _grouped_mm_fits(self, w1: torch.Tensor, w2: torch.Tensor) -> bool:
-        # torch._grouped_mm needs 16-byte aligned row strides (dim and hidden).
+        # torch._grouped_mm needs 16-byte aligned row strides (dim and hidden). Under
+        # torch.compile its fake-tensor kernel accepts bf16 only (torch 2.13; eager CPU
+        # runs fp32 too), so a compiled fp32 block takes the per-expert loop.
+        if torch.compiler.is_compiling() and w1.dtype != torch.bfloat16:
+            return False
         esize = w1.element_size()
         return (
             self.use_grouped_mm
