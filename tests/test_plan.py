@@ -143,6 +143,8 @@ def test_plan_world_size_fills_dp_shard():
     same = _plan(["model=tiny", "parallelism.dp_shard=-1", "parallelism.tp=2", "plan=true",
                   "parallelism.world_size=16"])  # the one key; plan.world_size is its other spelling
     assert same.world_size == 16 and same.degrees == plan.degrees
+    with pytest.raises(ConfigError, match=r"^parallelism.world_size=0 must be a positive integer$"):
+        _plan(["model=tiny", "parallelism.dp_shard=-1", "plan=true", "plan.world_size=0"])
     with pytest.raises(ConfigError, match="plan.ranks: rank 99 is outside the world of 16 ranks"):
         _plan(["model=tiny", "parallelism.dp_shard=-1", "plan=true", "plan.world_size=16",
                "plan.ranks=[99]"])

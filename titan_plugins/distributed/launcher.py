@@ -95,32 +95,28 @@ def _start_method(preload: list[str]) -> str:
     The server forks before any rank state exists (no threads, no CUDA, no process
     group), so each rank starts as clean as a spawned one.
 
-    A rank inherits the server's environment, so each launch starts its own server
-    (:func:`_stop_fork_server` after the job): a Hydra multirun's second job must see
-    its own failure directory, not the first job's. Where a server cannot be stopped,
-    later launches in this process spawn."""
+    A rank inherits the server's environment, so each launch starts its own server:
+    one still running in this process (a test harness's, an earlier job's) is stopped
+    first, or a Hydra multirun's second job would see the first job's failure
+    directory. Where a server cannot be stopped, the ranks spawn."""
     import multiprocessing
 
-    if "forkserver" not in multiprocessing.get_all_start_methods() or _fork_server_stuck:
+    if "forkserver" not in multiprocessing.get_all_start_methods() or not _stop_fork_server():
         return "spawn"
-    _stop_fork_server()  # one left running in this process (a test harness's) has another environment
     multiprocessing.set_forkserver_preload(["torch", *preload])
     return "forkserver"
 
 
-_fork_server_stuck = False
-
-
-def _stop_fork_server() -> None:
-    global _fork_server_stuck
+def _stop_fork_server() -> bool:
+    """Stop this process's fork server if one runs (it restarts on next use); False
+    where this Python offers no way to (``_stop`` is CPython's own, used by its tests)."""
     from multiprocessing import forkserver
 
-    server = getattr(forkserver, "_forkserver", None)
-    stop = getattr(server, "_stop", None)  # CPython's own (its tests use it); not public API
+    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
     if stop is None:
-        _fork_server_stuck = True
-        return
+        return False
     stop()
+    return True
 
 
 def _launch(config, entry, config_path, error_file) -> int:
@@ -153,7 +149,7 @@ def _launch(config, entry, config_path, error_file) -> int:
         os.environ.pop(FAILURE_DIR_ENV, None)
         shutil.rmtree(failure_dir, ignore_errors=True)
         if config.start_method == "forkserver":
-            _stop_fork_server()
+            _stop_fork_server()  # no idle server holding torch left behind in this process
     return 0
 
 

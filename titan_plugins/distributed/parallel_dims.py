@@ -47,6 +47,8 @@ class ParallelDims:
     def from_config(cls, cfg: ParallelismConfig, world_size: int | None = None) -> ParallelDims:
         """Resolve ``dp_shard=-1`` and check every degree; raises ConfigError."""
         world_size = world_size or cfg.world_size
+        if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
+            raise ConfigError(f"parallelism.world_size={world_size} must be a positive integer")
         dp_shard = cfg.dp_shard
         for key in ("dp_replicate", "tp", "pp", "ep", "etp"):
             value = getattr(cfg, key)

@@ -64,7 +64,6 @@ class Plan:
         return self.peak.peak_bytes <= self.device_memory_gb * GIB
 
 
-
 def default_ranks(dims: ParallelDims) -> list[int]:
     """Rank 0 and the first rank of the last pipeline stage (pp is the outermost dim)."""
     last = (dims.pp - 1) * (dims.world_size // dims.pp)
