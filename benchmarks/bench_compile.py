@@ -25,31 +25,22 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _titan_run import steady_step_s, step_times  # noqa: E402
+
 SEQ_LEN, LOCAL_BATCH = 256, 2
 PRESETS = {1: "single", 2: "fsdp2"}
 
 
 def run_once(model: str, ranks: int, precision: str, steps: int, compiled: bool, tmp: Path) -> list[float]:
-    from titan_plugins.train.api import run
-
-    threads = max(1, (os.cpu_count() or 1) // ranks)
-    run_dir = tmp / ("compiled" if compiled else "eager")
-    result = run(
+    return step_times(
         [f"model={model}", f"parallelism={PRESETS[ranks]}", f"precision={precision}", "data=synthetic",
          f"training.steps={steps}", f"training.local_batch_size={LOCAL_BATCH}", f"training.seq_len={SEQ_LEN}",
          "training.activation_checkpoint=none", f"training.compile={str(compiled).lower()}",
          "metrics.tensorboard=false", "metrics.console=false"],
-        run_dir=run_dir, timeout=1800,
-        env={"OMP_NUM_THREADS": str(threads), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")},
+        tmp / ("compiled" if compiled else "eager"), ranks=ranks,
+        env={"TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")},
     )
-    if result.returncode:
-        raise RuntimeError(f"{model} compiled={compiled} failed: {result.error}")
-    times = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "step_time_s" in rec:
-            times[int(rec["step"])] = float(rec["step_time_s"])
-    return [times[s] for s in sorted(times)]
 
 
 def main() -> None:
@@ -69,8 +60,7 @@ def main() -> None:
             for compiled in (False, True):
                 with tempfile.TemporaryDirectory(prefix="bench-compile-") as tmp:
                     times = run_once(model, args.ranks, args.precision, args.steps, compiled, Path(tmp))
-                steady = times[args.warmup:] or times[-1:]
-                rates[compiled].append(tokens / statistics.median(steady))
+                rates[compiled].append(tokens / steady_step_s(times, args.warmup))
                 first[compiled].append(times[0])
         eager, comp = statistics.median(rates[False]), statistics.median(rates[True])
         print(json.dumps({

@@ -76,6 +76,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _titan_run import steady_step_s, step_times, threads_per_rank  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN, LOCAL_BATCH, VOCAB = 256, 2, 2048
 # The AdamW implementation ours uses on CPU (titan_plugins/train/optimizer.py).
@@ -299,37 +302,25 @@ def run_torchtitan(model: str, layout: str, precision: str, steps: int, tmp: Pat
 
 # ------------------------------------------------------------------ titan-run side
 def run_titan(model: str, layout: str, precision: str, steps: int, tmp: Path) -> list[float]:
-    from titan_plugins.train.api import run
-
     ranks, preset, _, _ = LAYOUTS[layout]
     _, ours = PRECISIONS[precision]
-    result = run(
+    return step_times(
         [f"model={model}", f"parallelism={preset}", f"precision={ours}", "data=synthetic",
          f"data.vocab_size={VOCAB}", f"training.steps={steps}", f"training.local_batch_size={LOCAL_BATCH}",
          f"training.seq_len={SEQ_LEN}", "training.max_norm=1.0", "training.activation_checkpoint=none",
          "training.compile=false", "metrics.tensorboard=false", "metrics.console=false",
          *(["model.enable_weight_tying=false"] if f"{model}/{layout}" in UNTIED else [])],
-        run_dir=tmp / "titan", timeout=900, env={"OMP_NUM_THREADS": _env(ranks)["OMP_NUM_THREADS"]},
+        tmp / "titan", ranks=ranks, timeout=900,
     )
-    if result.returncode:
-        raise RuntimeError(f"titan-run {model}/{layout}/{precision} failed: {result.error}")
-    times: dict[int, float] = {}
-    for line in (tmp / "titan" / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "step_time_s" in rec:
-            times[int(rec["step"])] = float(rec["step_time_s"])
-    return [times[s] for s in sorted(times)]
 
 
 # ----------------------------------------------------------------------- driver
 def _env(ranks: int) -> dict[str, str]:
-    threads = max(1, (os.cpu_count() or 1) // ranks)
-    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank(ranks)), "PYTHONPATH": str(ROOT)}
 
 
-def steady_tokens_per_s(step_times: list[float], warmup: int, tokens_per_step: int) -> float:
-    steady = step_times[warmup:] or step_times[-1:]
-    return tokens_per_step / statistics.median(steady)
+def steady_tokens_per_s(times: list[float], warmup: int, tokens_per_step: int) -> float:
+    return tokens_per_step / steady_step_s(times, warmup)
 
 
 def main() -> None:
