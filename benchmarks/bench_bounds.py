@@ -2,6 +2,7 @@
 
     python benchmarks/bench_bounds.py kernels [--models qwen3,llama4,deepseek_v3]
         [--precisions fp32,bf16] [--warmup 3] [--steps 2] [--rounds 3]
+    python benchmarks/bench_bounds.py kernel-dtypes [--threads 2]
     python benchmarks/bench_bounds.py ranks [--model deepseek_v3] [--preset fsdp4_tp2_ep2]
         [--ranks 8] [--dp 4] [--local-batch 4] [--seq 128] [--steps 7] [--rounds 2]
 
@@ -16,6 +17,11 @@ op (norms, rope, activations, residuals, casts, the loss, the optimizer, Python)
 nothing. A trainer that runs the same kernels cannot beat another by more than the
 other's step over these kernels' time; bf16 cannot beat fp32 by more than fp32's step
 over bf16's kernel time (``bf16_over_fp32_ceiling``, printed when both ran).
+
+``kernel-dtypes``: the two dense kernels alone in bf16 against fp32: square matmuls
+(n = 512, 1024, 2048; :func:`titan_plugins.train.peak.measure_matmul_tflops`, the probe
+behind the console's CPU MFU) and causal SDPA forward + backward on the debug flavors'
+attention shapes (and at seq 1024), in bf16, in fp32, and bf16 inputs upcast to fp32.
 
 ``ranks``: the same global batch (``--dp`` x ``--local-batch`` sequences of ``--seq``)
 on one rank with every core, then under ``--preset`` on ``--ranks`` gloo ranks,
@@ -115,6 +121,62 @@ def kernels(args: argparse.Namespace) -> None:
                               "bf16_over_fp32_ceiling": round(fp32_step / bf16_kernel, 2)}), flush=True)
 
 
+# name -> (batch, heads, kv heads, seq, q/k head dim, v head dim) of the debug flavors
+ATTENTION_SHAPES = {
+    "qwen3": (2, 16, 8, 256, 128, 128),
+    "llama4": (2, 16, 16, 256, 16, 16),
+    "deepseek_v3": (2, 16, 16, 256, 192, 128),
+    "llama4 @ seq 1024": (1, 16, 16, 1024, 16, 16),
+    "qwen3 @ seq 1024": (1, 16, 8, 1024, 128, 128),
+}
+
+
+def _attention_ms(shape: tuple[int, ...], dtype, upcast: bool = False, repeats: int = 7) -> float:
+    """Median ms of causal SDPA forward + backward on ``shape`` in ``dtype``."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    batch, heads, kv_heads, seq, qk_dim, v_dim = shape
+    q = torch.randn(batch, heads, seq, qk_dim, dtype=dtype, requires_grad=True)
+    k = torch.randn(batch, kv_heads, seq, qk_dim, dtype=dtype, requires_grad=True)
+    v = torch.randn(batch, kv_heads, seq, v_dim, dtype=dtype, requires_grad=True)
+    grad = torch.randn(batch, heads, seq, v_dim, dtype=dtype)
+
+    def step() -> None:
+        qq, kk, vv = (t.float() for t in (q, k, v)) if upcast else (q, k, v)
+        out = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, enable_gqa=heads != kv_heads)
+        out.to(dtype).backward(grad)
+
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        step()
+        if i >= 2:  # two warm-up calls
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def kernel_dtypes(args: argparse.Namespace) -> None:
+    import torch
+
+    from titan_plugins.train.peak import measure_matmul_tflops
+
+    torch.set_num_threads(args.threads)
+    for n in (512, 1024, 2048):
+        fp32, bf16 = (measure_matmul_tflops(dtype, seconds=1.0, n=n) for dtype in (torch.float32, torch.bfloat16))
+        print(json.dumps({"kernel": "matmul", "n": n, "fp32_tflops": round(fp32, 3), "bf16_tflops": round(bf16, 3),
+                          "bf16_over_fp32": round(bf16 / fp32, 2)}), flush=True)
+    for name, shape in ATTENTION_SHAPES.items():
+        fp32 = _attention_ms(shape, torch.float32)
+        bf16 = _attention_ms(shape, torch.bfloat16)
+        upcast = _attention_ms(shape, torch.bfloat16, upcast=True)
+        print(json.dumps({"kernel": "sdpa fwd+bwd", "shape": name, "fp32_ms": round(fp32, 1),
+                          "bf16_ms": round(bf16, 1), "bf16_upcast_ms": round(upcast, 1),
+                          "bf16_over_fp32": round(fp32 / bf16, 2)}), flush=True)
+
+
 def ranks(args: argparse.Namespace) -> None:
     common = [f"model={args.model}", "precision=fp32", "data=synthetic", f"training.steps={args.steps}",
               f"training.seq_len={args.seq}", "training.activation_checkpoint=none",
@@ -148,6 +210,8 @@ def main() -> None:
     k.add_argument("--warmup", type=int, default=3)
     k.add_argument("--steps", type=int, default=2)
     k.add_argument("--rounds", type=int, default=3)
+    d = sub.add_parser("kernel-dtypes")
+    d.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     r = sub.add_parser("ranks")
     r.add_argument("--model", default="deepseek_v3")
     r.add_argument("--preset", default="fsdp4_tp2_ep2")
@@ -158,7 +222,7 @@ def main() -> None:
     r.add_argument("--steps", type=int, default=7)
     r.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    {"kernels": kernels, "ranks": ranks}[args.part](args)
+    {"kernels": kernels, "kernel-dtypes": kernel_dtypes, "ranks": ranks}[args.part](args)
 
 
 if __name__ == "__main__":
