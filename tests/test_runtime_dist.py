@@ -184,7 +184,7 @@ def test_compiled_blocks_train_like_eager_under_fsdp_and_tp(tmp_path):
     # Per-block torch.compile (inductor's C++ backend on CPU) composed with TP and FSDP2.
     from titan_plugins.compare.tolerances import LOSS_PARITY
 
-    common = ["parallelism=fsdp2_tp2", "training.steps=2", "training.local_batch_size=1"]
+    common = ["parallelism=fsdp2_tp2", "training.steps=2", "training.local_batch_size=1", "model.n_layers=2"]
     eager = _run(tmp_path, "eager", *common)
     cache = tmp_path / "inductor-cache"
     compiled = run([*BASE, *common, "training.compile=true"], run_dir=tmp_path / "compiled", extra_plugins=EXTRA,

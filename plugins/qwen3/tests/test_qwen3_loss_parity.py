@@ -21,7 +21,9 @@ COMMON = [
 BASES = {
     "tied": [*COMMON, "model.flavor=debugmodel"],
     "untied": [*COMMON, "model.flavor=debugmodel", "model.enable_weight_tying=false"],
-    "moe": [*COMMON, "model.flavor=debugmodel_moe"],
+    # 16 experts of hidden 256 (the flavor's 64 x 768 is 24x the expert weights): top-8
+    # routing, EP and the grouped GEMMs are the same code at a size the suite can afford.
+    "moe": [*COMMON, "model.flavor=debugmodel_moe", "model.moe.num_experts=16", "model.moe_inter_dim=256"],
     # block_causal on the shipped corpus with "\n" (id 10, one token in ~20) as the
     # document end: boundaries inside every 32-token row. Under PP the later stage
     # gets the document ids through PipelineInfo.stage_inputs.
