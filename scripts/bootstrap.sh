@@ -42,7 +42,7 @@ pip install "${CONSTRAINT[@]}" -r "$ROOT/requirements/dev.txt"
 echo "==> the core (titan-plugins)"
 pip install "${CONSTRAINT[@]}" -e "$ROOT"
 
-for dir in "$ROOT"/plugins/deepseek_v3 "$ROOT"/plugins/qwen3 "$ROOT"/plugins/llama4 "$ROOT"/examples/*/; do
+for dir in "$ROOT"/plugins/*/ "$ROOT"/examples/*/; do
     dir="${dir%/}"
     if [ -f "$dir/pyproject.toml" ]; then
         echo "==> plugin ${dir#"$ROOT"/}"
