@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_plugins.errors import ConfigError, TitanError
+from titan_plugins.train.optimizer import resync_lr
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -334,6 +335,7 @@ class Checkpointer:
             set_optimizer_state_dict(part, opt, optim_state_dict=state["optimizer"], options=_FLAT)
         for sched in self.schedulers:
             sched.load_state_dict(state["lr_scheduler"])
+            resync_lr(sched)  # this run's schedule (training.steps may differ from the saved run's)
         if "dataloader" in state and self.dataloader is not None:
             self.dataloader.load_state_dict(state["dataloader"])
         if "rng" in state:

@@ -12,7 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["build_lr_scheduler", "build_optimizer", "implementation", "lr_lambda", "param_groups"]
+__all__ = [
+    "build_lr_scheduler", "build_optimizer", "implementation", "lr_lambda", "param_groups", "resync_lr",
+]
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -80,6 +82,20 @@ def build_lr_scheduler(optimizer: torch.optim.Optimizer, training: Any):
     import functools
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, functools.partial(lr_lambda, training=_Plain(training)))
+
+
+def resync_lr(scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+    """After a resume, set every group's lr from *this* run's schedule at the resumed step.
+
+    A loaded optimizer state carries the lr the saved run computed for its next step;
+    when ``training.steps`` (or warmup/decay) changed, that value belongs to the old
+    schedule and the first resumed step would use it: the lr would jump for one step.
+    """
+    step = scheduler.last_epoch
+    lrs = [base * fn(step) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs):
+        group["lr"] = lr
+    scheduler._last_lr = lrs
 
 
 class _Plain:
