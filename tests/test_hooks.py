@@ -126,3 +126,16 @@ def test_hook_titan_on_train_end(pm: Any) -> None:
     pm.add_plugin(plugin("p_end", titan_on_train_end=titan_on_train_end))
     pm.hook.titan_on_train_end(step=10, metrics={}, job_config=None, rank=0)
     assert ends == [(10, {}, 0)]
+
+
+def test_hook_titan_on_train_error(pm: Any) -> None:
+    seen = []
+
+    @hookimpl
+    def titan_on_train_error(step: int, error: str, rank: int) -> None:
+        seen.append((step, error, rank))
+
+    pm.add_plugin(plugin("p_err", titan_on_train_error=titan_on_train_error))
+    pm.hook.titan_on_train_error(step=3, error="RuntimeError: boom", metrics={}, job_config=None, rank=0)
+    assert seen == [(3, "RuntimeError: boom", 0)]
+

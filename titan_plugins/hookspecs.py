@@ -111,3 +111,18 @@ def titan_on_train_end(step: int, metrics: dict[str, float], job_config: DictCon
     :param job_config: the resolved job config.
     :param rank: this process's global rank.
     """
+
+
+@hookspec
+def titan_on_train_error(step: int, error: str, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
+    """Called on a rank whose training loop raised, before the error ends the job, so
+    that sinks can close what they opened as failed (an MLflow run ``FAILED``, a W&B
+    run finished with exit code 1). Not called for a rank killed by a signal.
+
+    :param step: the last step finished (0 if none).
+    :param error: the exception, as ``"TypeName: message"``.
+    :param metrics: the last finished step's metrics (empty if none).
+    :param job_config: the resolved job config.
+    :param rank: this process's global rank.
+    """
+

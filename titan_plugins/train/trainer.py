@@ -196,6 +196,29 @@ class Trainer:
         report = RunReport(self, step)  # the header on rank 0; ETA and summary below
         profiler = StepProfiler(job, self.run_dir, rank, self.device.type, resumed_at=step)
         pm.hook.titan_on_train_start(job_config=job, run_dir=self.run_dir, rank=rank)
+        self.last_step, self.last_metrics = step, {}
+        try:
+            step, metrics = self._loop(step, report, profiler)
+        except BaseException as exc:
+            # Sinks close their runs as failed (never masking the error itself).
+            with contextlib.suppress(Exception):
+                pm.hook.titan_on_train_error(step=self.last_step, error=f"{type(exc).__name__}: {exc}",
+                                             metrics=self.last_metrics, job_config=job, rank=rank)
+            raise
+        profiler.close(step)
+        pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
+        report.finish()
+        if job.training.dump_final_params:
+            self.dump_final_params()
+        if job.checkpoint.get("export_hf"):
+            from titan_plugins.hf.export import export_run
+
+            export_run(self)
+        return metrics
+
+    def _loop(self, step: int, report: RunReport, profiler: StepProfiler) -> tuple[int, dict[str, float]]:
+        """Steps from ``step`` to ``training.steps``; returns the last step and its metrics."""
+        job, pm, rank = self.job, self.pm, self.rank
         metrics: dict[str, float] = {}
         data = iter(self.dataloader)
         while step < self.steps:
@@ -219,22 +242,14 @@ class Trainer:
             if self.peak_tflops:
                 metrics["mfu"] = 100.0 * tflops / self.peak_tflops
             metrics["eta_s"] = report.step(step, metrics)
+            self.last_step, self.last_metrics = step, metrics
             pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
             profiler.step(step)
             if self.validator is not None and self.validator.due(step, self.steps):
                 pm.hook.titan_on_validation_end(step=step, metrics=self.validator.run(), job_config=job, rank=rank)
             if self.checkpointer.should_save(step, self.steps):
                 self.checkpointer.save(step)
-        profiler.close(step)
-        pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
-        report.finish()
-        if job.training.dump_final_params:
-            self.dump_final_params()
-        if job.checkpoint.get("export_hf"):
-            from titan_plugins.hf.export import export_run
-
-            export_run(self)
-        return metrics
+        return step, metrics
 
     def dump_final_params(self) -> None:
         sd = full_model_state_dict(self.model.parts, self.pp_group)

@@ -2,7 +2,8 @@
 
 Rank 0 starts a run in ``metrics.mlflow.experiment`` named ``metrics.mlflow.run_name``,
 logs the resolved job as params, every step's metrics as ``train/<name>`` and each
-validation as ``validation/<name>`` at its step, and ends the run after the last step.
+validation as ``validation/<name>`` at its step, and ends the run after the last step (``FAILED``, with the error as the
+``titan.error`` tag, when the training loop raises).
 The tracking URI is ``metrics.mlflow.tracking_uri``, else ``$MLFLOW_TRACKING_URI``,
 else a file store in ``<run_dir>/mlruns`` (``mlflow ui --backend-store-uri <it>``).
 """
@@ -77,3 +78,12 @@ class MLflowSink:
         if self._run_id is not None:
             self._client.set_terminated(self._run_id, status="FINISHED")
             self._client, self._run_id = None, None
+
+    @hookimpl
+    def titan_on_train_error(self, step: int, error: str, rank: int) -> None:
+        # A crashed run must not stay RUNNING: what was logged stays, the status says FAILED.
+        if self._run_id is not None:
+            self._client.set_tag(self._run_id, "titan.error", error[:5000])
+            self._client.set_terminated(self._run_id, status="FAILED")
+            self._client, self._run_id = None, None
+

@@ -4,7 +4,8 @@ Rank 0 calls ``wandb.init`` with ``metrics.wandb.project``/``entity``/``mode`` (
 or offline: written under ``<dir>/wandb/offline-run-*`` for a later ``wandb sync``),
 the resolved job as the run config, and ``dir`` defaulting to the run directory; it logs
 every step's metrics as ``train/<name>`` and each validation as ``validation/<name>``
-at the training step, and finishes the run after the last step. ``WANDB_MODE`` in the
+at the training step, and finishes the run after the last step (with exit code 1 when the
+training loop raises). ``WANDB_MODE`` in the
 environment wins over ``mode``, as it does for every W&B script.
 """
 
@@ -60,3 +61,13 @@ class WandbSink:
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+    @hookimpl
+    def titan_on_train_error(self, step: int, error: str, rank: int) -> None:
+        # Finish with a non-zero exit code: the history so far is flushed and the run is
+        # marked failed (an unfinished offline run would keep neither).
+        if self._run is not None:
+            self._run.summary["error"] = error[:5000]
+            self._run.finish(exit_code=1)
+            self._run = None
+
