@@ -61,7 +61,7 @@ def test_header_and_summary_lines() -> None:
                      now=float(step), total_steps=3)
     summary = "\n".join(summary_lines(stats, 10.0, memory_kind="max RSS", checkpoint=None))
     for text in ("step 3 (3 steps in this run), wall time 10s", "final 2.5000, best 2.0000 at step 2",
-                 "100 tokens/s (150 tokens in 1.5s of steps)", "peak 3.00 GiB", "none saved"):
+                 "100 tokens/s, all ranks (150 tokens in 1.5s of steps)", "peak 3.00 GiB", "none saved"):
         assert text in summary
 
 

@@ -50,13 +50,14 @@ class ConsoleSink:
             return
         if step % max(1, int(cfg.log_freq)) and step != int(job_config.training.steps):
             return
+        total = int(job_config.training.steps)
         parts = [
-            f"step {step:>5}",
+            f"step {step:>{len(str(total))}}/{total}",
             f"loss {metrics['loss']:.4f}",
             f"grad_norm {metrics['grad_norm']:.4f}",
             f"lr {metrics['lr']:.2e}",
-            f"tok/s {metrics['tokens_per_s']:,.0f}",
-            f"TFLOP/s {metrics['tflops']:.3f}",
+            f"tok/s (all ranks) {metrics['tokens_per_s']:,.0f}",
+            f"TFLOP/s per rank {metrics['tflops']:.3f}",
         ]
         if "mfu" in metrics:
             parts.append(f"MFU {metrics['mfu']:.1f}%")

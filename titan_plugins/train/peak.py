@@ -29,6 +29,7 @@ __all__ = [
     "default_peak_tflops",
     "dtype_key",
     "measure_matmul_tflops",
+    "mfu_percent",
     "peak_tflops_for_name",
     "precision_dtype",
     "run_peak_tflops",
@@ -248,3 +249,13 @@ def run_peak_tflops(job: DictConfig, device_type: str) -> float | None:
         value.fill_(cpu_peak_tflops(dtype) or 0.0)
     dist.broadcast(value, src=0)
     return float(value.item()) or None
+
+
+def mfu_percent(tflops: float, peak_tflops: float | None) -> float | None:
+    """MFU in percent, or None where it cannot be right: no peak, or a result above 100%
+    (the peak is then not credible, e.g. a CPU probe taken while other work ran)."""
+    if not peak_tflops:
+        return None
+    mfu = 100.0 * tflops / peak_tflops
+    return mfu if mfu <= 100.0 else None
+

@@ -80,6 +80,10 @@ def header_lines(
     run_dir: str,
     tensorboard: str | None,
     metrics_jsonl: str | None,
+    data: str | None = None,
+    tokenizer: str | None = None,
+    schedule: str | None = None,
+    peak: str | None = None,
     extra: list[str] | None = None,
 ) -> list[str]:
     """The run header: what trains, on what, with how much, and where its outputs go."""
@@ -89,12 +93,16 @@ def header_lines(
     tokens = global_batch_seqs * seq_len
     resume = f" (resuming after step {start_step})" if start_step else ""
     rows = [
-        ("model", f"{model} (flavor {flavor}), {params} parameters"),
+        ("model", f"{model} ({flavor if ' ' in flavor else 'flavor ' + flavor}), {params} parameters"),
         ("world", f"{world} on {device}"),
         ("meshes", meshes),
         ("precision", precision),
         ("batch", f"{global_batch_seqs} sequences x {seq_len} tokens = {tokens:,} tokens per step"),
         ("steps", f"{steps}{resume}"),
+        *((("data", data),) if data else ()),
+        *((("tokenizer", tokenizer),) if tokenizer else ()),
+        *((("lr", schedule),) if schedule else ()),
+        *((("peak", peak),) if peak else ()),
         ("run dir", run_dir),
         ("metrics", metrics_jsonl or "off (metrics.jsonl=false)"),
         ("tensorboard", f"tensorboard --logdir {tensorboard}" if tensorboard else "off"),
@@ -122,6 +130,7 @@ class RunStats:
     step_seconds: float = 0.0
     peak_memory_gib: float = 0.0
     step_times: list[float] = field(default_factory=list)
+    validation: tuple[int, float] | None = None  # (step, loss) of the last validation
 
     def update(self, step: int, metrics: dict[str, float], now: float, total_steps: int) -> float:
         """Record one step; return the ETA in seconds."""
@@ -151,8 +160,10 @@ def summary_lines(stats: RunStats, now: float, *, memory_kind: str, checkpoint: 
                          f"wall time {format_duration(wall)}")]
     if stats.final_loss is not None:
         rows.append(("loss", f"final {stats.final_loss:.4f}, best {stats.best_loss:.4f} at step {stats.best_step}"))
+    if stats.validation is not None:
+        rows.append(("validation", f"loss {stats.validation[1]:.4f} at step {stats.validation[0]}"))
     if stats.step_seconds > 0:
-        rows.append(("throughput", f"{stats.tokens / stats.step_seconds:,.0f} tokens/s "
+        rows.append(("throughput", f"{stats.tokens / stats.step_seconds:,.0f} tokens/s, all ranks "
                                    f"({format_count(stats.tokens)} tokens in {format_duration(stats.step_seconds)} of steps)"))
     rows.append(("memory", f"peak {stats.peak_memory_gib:.2f} GiB ({memory_kind}, rank 0)"))
     rows.append(("checkpoint", checkpoint or "none saved"))
@@ -186,6 +197,28 @@ def _precision_text(precision: Any) -> str:
     return text
 
 
+def _data_text(data: Any) -> str:
+    name = str(data.get("name"))
+    if name == "mix":
+        return "mix of " + ", ".join(f"{e.get('name')}:{e.get('path')} x{e.get('weight', 1)}"
+                                     for e in (data.get("mix") or []))
+    return f"{name} ({data.get('path')})" if data.get("path") else name
+
+
+def _tokenizer_text(data: Any, tokenizer: Any) -> str:
+    where = data.get("tokenizer") or "the shipped tokenizer"
+    vocab = getattr(tokenizer, "vocab_size", None)
+    return f"{where}, vocab {vocab:,}" if vocab else str(where)
+
+
+def _schedule_text(training: Any) -> str:
+    decay = _enum(training.decay)
+    text = f"{float(training.lr):.3g}, warmup {int(training.warmup_steps)} steps"
+    if decay != "none":
+        text += f", {decay} decay to {float(training.lr) * float(training.min_lr_ratio):.3g}"
+    return text
+
+
 def _meshes_text(dims: ParallelDims) -> str:
     degrees = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")}
     used = [f"{k}={v}" for k, v in degrees.items() if v > 1]
@@ -216,7 +249,8 @@ class RunReport:
         global_batch = int(job.training.local_batch_size) * dims.dp_size * int(job.training.grad_accum_steps)
         return dict(
             model=t.spec.name,
-            flavor=str(job.model.get("flavor") or t.spec.default_flavor),
+            flavor=(f"sizes and weights from model.hf={job.model.hf}" if job.model.get("hf")
+                    else f"flavor {job.model.get('flavor') or t.spec.default_flavor}"),
             params_total=total,
             params_active=active,
             world=f"{t.world} rank{'s' if t.world > 1 else ''}",
@@ -230,7 +264,16 @@ class RunReport:
             run_dir=str(run_dir),
             tensorboard=str(run_dir / "tensorboard") if job.metrics.tensorboard else None,
             metrics_jsonl=str(run_dir / "metrics.jsonl") if job.metrics.jsonl else None,
+            data=_data_text(job.data),
+            tokenizer=_tokenizer_text(job.data, getattr(t, "tokenizer", None)),
+            schedule=_schedule_text(job.training),
+            peak=(f"{t.peak_tflops:.3g} TFLOP/s per rank ({t.peak_source}), for MFU"
+                  if getattr(t, "peak_tflops", None) else "unknown (MFU not shown)"),
         )
+
+    def validation(self, step: int, metrics: dict[str, float]) -> None:
+        """Record a validation's loss for the summary."""
+        self.stats.validation = (step, float(metrics["loss"]))
 
     def step(self, step: int, metrics: dict[str, float]) -> float:
         """Record a finished step; returns the seconds left (the console shows it)."""

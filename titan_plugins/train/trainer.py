@@ -27,7 +27,7 @@ from titan_plugins.train.lifecycle import ModelParts, build_model_parts
 from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
 from titan_plugins.train.metrics import memory_gib
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
-from titan_plugins.train.peak import run_peak_tflops
+from titan_plugins.train.peak import mfu_percent, run_peak_tflops
 from titan_plugins.train.profiling import StepProfiler
 from titan_plugins.train.run_report import RunReport
 from titan_plugins.train.validation import Validator
@@ -114,13 +114,15 @@ class Trainer:
         )
         # metrics.peak_tflops, else the device's peak in the run's compute dtype (CPU: measured)
         self.peak_tflops = run_peak_tflops(job, self.device.type)
+        self.peak_source = ("metrics.peak_tflops" if job.metrics.get("peak_tflops") else
+                            "probed on this CPU" if self.device.type == "cpu" else "device data sheet")
 
     # ------------------------------------------------------------------ setup
     def _build_dataloader(self) -> DataLoader:
         from titan_plugins.train.data import build_dataloader, build_tokenizer
 
         data_cfg = self.job.data
-        tokenizer = build_tokenizer(data_cfg)
+        tokenizer = self.tokenizer = build_tokenizer(data_cfg)
         return build_dataloader(
             data_cfg,
             tokenizer,
@@ -130,6 +132,7 @@ class Trainer:
             seq_len=int(self.job.training.seq_len),
             seed=int(self.job.training.seed),
             datasets=self.pm.datasets(),
+            grad_accum_steps=self.accum,  # the global batch's rows, the same at any layout
         )
 
     def _loss_context(self):
@@ -240,13 +243,23 @@ class Trainer:
                 "step_time_s": dt,
             }
             if self.peak_tflops:
-                metrics["mfu"] = 100.0 * tflops / self.peak_tflops
+                mfu = mfu_percent(tflops, self.peak_tflops)
+                if mfu is not None:
+                    metrics["mfu"] = mfu
+                else:  # the peak is not credible (a CPU probe taken under load): no MFU at all
+                    if rank == 0 and job.metrics.console:
+                        print(f"MFU left out from step {step}: {tflops:.3g} TFLOP/s per rank exceeds the "
+                              f"peak of {self.peak_tflops:.3g} ({self.peak_source}); set "
+                              "metrics.peak_tflops to this machine's figure", flush=True)
+                    self.peak_tflops = None
             metrics["eta_s"] = report.step(step, metrics)
             self.last_step, self.last_metrics = step, metrics
             pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
             profiler.step(step)
             if self.validator is not None and self.validator.due(step, self.steps):
-                pm.hook.titan_on_validation_end(step=step, metrics=self.validator.run(), job_config=job, rank=rank)
+                val = self.validator.run()
+                report.validation(step, val)
+                pm.hook.titan_on_validation_end(step=step, metrics=val, job_config=job, rank=rank)
             if self.checkpointer.should_save(step, self.steps):
                 self.checkpointer.save(step)
         return step, metrics
