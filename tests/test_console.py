@@ -57,3 +57,17 @@ def test_summary_carries_the_last_validation_loss():
     summary = "\n".join(summary_lines(stats, 2.0, memory_kind="max RSS", checkpoint=None))
     assert "validation  loss 2.7500 at step 1" in summary
     assert "10 tokens/s, all ranks" in summary
+
+
+def test_profiler_messages_do_not_break_up_the_step_lines(tmp_path, capfd):
+    from titan_plugins.train.profiling import StepProfiler
+
+    job = OmegaConf.create({"profiling": {"enabled": True, "memory_snapshot": False, "start_step": 1,
+                                          "steps": 1, "record_shapes": False, "profile_memory": False,
+                                          "with_stack": False}})
+    prof = StepProfiler(job, str(tmp_path), rank=0, device_type="cpu")  # starts before step 1
+    prof.step(1)  # stops after step 1
+    err = capfd.readouterr().err
+    assert "profiler_st" not in err  # kineto's start/stop lines
+    assert list((tmp_path / "profile").glob("rank0.*.pt.trace.json"))
+    assert "profiler_start" in (tmp_path / "profile" / "kineto_rank0.log").read_text()

@@ -5,6 +5,8 @@ numbers, so a resumed run traces the same steps) are traced on every rank into
 ``<run_dir>/profile/rank<R>.<ms>.pt.trace.json`` (Chrome/Perfetto JSON, written by
 ``tensorboard_trace_handler``, so ``tensorboard --logdir <run_dir>/profile`` shows it
 in the profiler plugin, and https://ui.perfetto.dev opens the file as it is).
+The profiler's own C++ messages go to ``kineto_rank<R>.log`` beside the traces, not
+between the step lines.
 
 ``profiling.memory_snapshot`` (CUDA only): the allocator's history is recorded from
 the start of training and dumped to ``memory_snapshot_rank<R>_step<N>.pickle`` after
@@ -14,6 +16,10 @@ error (drag either onto https://pytorch.org/memory_viz).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +42,21 @@ def check_profiling(job: DictConfig) -> None:
     for key in ("start_step", "steps"):
         if int(cfg[key]) < 1:
             raise ConfigError(f"profiling.{key}={cfg[key]} must be at least 1")
+
+
+@contextlib.contextmanager
+def _stderr_to(path: Path) -> Iterator[None]:
+    """Send file descriptor 2 to ``path`` for the block: the profiler's C++ side (kineto)
+    writes its start/stop lines there, which would otherwise break up the step lines."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as log:
+            os.dup2(log.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class StepProfiler:
@@ -69,7 +90,8 @@ class StepProfiler:
 
     def close(self, done: int | None = None) -> None:
         if self._prof is not None:
-            self._prof.stop()  # tensorboard_trace_handler writes the file here
+            with _stderr_to(self.folder / f"kineto_rank{self.rank}.log"):
+                self._prof.stop()  # tensorboard_trace_handler writes the file here
             self._prof = None
         if self.snapshot and done is not None and not self._dumped:
             self._dump(f"step{done}")  # recording goes on: an OOM later still has its history
@@ -96,7 +118,8 @@ class StepProfiler:
             on_trace_ready=trace_handler(str(self.folder), worker_name=f"rank{self.rank}"),
         )
         self._prof.step_num = self.first  # "ProfilerStep#N" is training step N
-        self._prof.start()
+        with _stderr_to(self.folder / f"kineto_rank{self.rank}.log"):
+            self._prof.start()
 
     def _record(self, on: bool) -> None:
         import torch
