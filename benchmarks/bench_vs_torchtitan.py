@@ -95,6 +95,7 @@ LAYOUTS = {
 ROWS = [
     "qwen3/single", "qwen3/fsdp2", "qwen3/tp2", "qwen3/fsdp2_tp2",
     "deepseek_v3/single", "deepseek_v3/ep2", "llama4/single", "llama4/ep2",
+    "llama3/single", "llama3/fsdp2", "llama3/tp2", "llama3/fsdp2_tp2",
 ]
 PRECISIONS = {"fp32": ("float32", "fp32"), "bf16": ("bfloat16", "bf16_mixed")}
 # TorchTitan 0.2.2 shards qwen3's tied embedding and output in two FSDP groups, which

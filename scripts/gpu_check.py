@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-MODELS = ("deepseek_v3", "qwen3", "llama4")
+MODELS = ("deepseek_v3", "qwen3", "llama4", "llama3")
 SEQ_LEN = 2048
 
 # One shape per model that fits one 80 GB GPU in fp32 weights + AdamW (planned 36-50 GiB
@@ -36,12 +36,15 @@ MID: dict[str, tuple[str, list[str]]] = {
     "deepseek_v3": ("16B/4 layers", ["model.flavor=16B", "model.n_layers=4"]),
     "llama4": ("17bx16e/2 layers/2 experts", ["model.flavor=17bx16e", "model.n_layers=2",
                                              "model.moe.num_experts=2"]),
+    # Llama 3.1 8B's width (TorchTitan's published throughput/MFU model), 4 of its 32 layers.
+    "llama3": ("8B/4 layers", ["model.flavor=8B", "model.n_layers=4"]),
 }
 # Presets per model for several GPUs: (GPUs needed, preset); debug flavor only.
 MULTI: dict[str, list[tuple[int, str]]] = {
     "qwen3": [(2, "fsdp2"), (2, "tp2"), (4, "fsdp2_tp2")],
     "deepseek_v3": [(2, "fsdp2_ep2"), (4, "fsdp2_tp2_ep2")],
     "llama4": [(2, "fsdp2_ep2"), (4, "fsdp2_tp2_ep2")],
+    "llama3": [(2, "fsdp2"), (2, "tp2"), (4, "fsdp2_tp2")],
 }
 
 

@@ -76,6 +76,25 @@ def test_perturbed_side_fails_naming_first_step_and_import_reproduces(tmp_path, 
                        "--workdir", str(tmp_path / "again")])
     second = capsys.readouterr().out
     assert rc == 1
-    table = [line for line in first.splitlines() if line[:5].strip().isdigit()]
-    assert table and table == [line for line in second.splitlines() if line[:5].strip().isdigit()]
+    table = [line for line in first.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert table and table == [line for line in second.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
     assert second.rstrip().splitlines()[-1] == verdict
+
+
+
+TINY_MOE = ("model=qwen3 model.flavor=debugmodel_moe model.dim=32 model.n_layers=2 model.n_heads=4 "
+            "model.n_kv_heads=2 model.head_dim=8 model.moe_inter_dim=32 model.moe.num_experts=4 model.moe.top_k=2 "
+            "training.seq_len=16 metrics.tensorboard=false metrics.console=false")
+
+
+def test_documented_parity_case_passes_over_ten_steps(tmp_path, capsys):
+    """The docs' example (one rank against FSDP x TP) with EP too: every float-reordering
+    row of the tolerance policy at once (reduce-scatter, TP/SP partial sums, loss
+    parallel, expert dispatch), 10 steps, gradient norms included."""
+    rc = compare(tmp_path, "--baseline", f"{TINY_MOE} parallelism=single",
+                 "--test", f"{TINY_MOE} parallelism=fsdp2_tp2_ep2", "--steps", "10")
+    captured = capsys.readouterr()
+    assert rc == 0, captured.out
+    rows = [line.split() for line in captured.out.splitlines() if line.split()[:1] and line.split()[0].isdigit()]
+    assert [int(r[0]) for r in rows] == [*range(1, 11)] * 2  # loss and grad norm, every step
+    assert "test: step 10/10" in captured.err  # progress named the side and the step

@@ -100,7 +100,7 @@ def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
     os.kill(_rank_pid(run_dir, 1), signal.SIGKILL)
     code, _, err = _finish(proc)
     took = time.monotonic() - t0
-    assert _error_lines(err) == ["rank 1 was killed by signal SIGKILL"], err[-3000:]
+    assert _error_lines(err) == ["error: rank 1 was killed by signal SIGKILL"], err[-3000:]
     assert code == 137 and took < 15, (code, took)
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
 

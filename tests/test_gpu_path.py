@@ -215,7 +215,7 @@ def test_cuda_device_and_backend_selection(monkeypatch):
 def test_gpu_check_rows_and_metrics(tmp_path):
     gc = _gpu_check()
     rows = gc.build_rows(1)
-    assert len(rows) == 12 and {r.model for r in rows} == {"deepseek_v3", "qwen3", "llama4"}
+    assert len(rows) == 16 and {r.model for r in rows} == {"deepseek_v3", "qwen3", "llama4", "llama3"}
     assert {(r.shape == "debugmodel", r.compile) for r in rows} == {(True, False), (True, True), (False, False),
                                                                     (False, True)}
     assert all(r.world == 1 and r.precision == "bf16_compute" for r in rows)

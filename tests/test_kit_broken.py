@@ -86,7 +86,9 @@ def test_a_broken_contract_reads_as_one_line_in_pytest(tmp_path):
     model = root / "titan_kitline" / "model.py"
     model.write_text(model.read_text().replace("persistent=False", "persistent=True"))
     test_file = root / "tests" / "test_kitline.py"
-    test_file.write_text(test_file.read_text() + '    plugins = ["titan_kitline.plugin"]\n')
+    line = '    overrides = ["model.n_layers=2"]\n'
+    assert line in test_file.read_text(), "the scaffold's test changed"
+    test_file.write_text(test_file.read_text().replace(line, line + '    plugins = ["titan_kitline.plugin"]\n'))
     # A check called as a plain function: the kit's pytest plugin shortens the report.
     (root / "tests" / "test_raw.py").write_text(
         "from titan_plugins.testing import ContractError\n\n\n"

@@ -73,7 +73,7 @@ def test_no_check_depends_on_another_having_run(tmp_path, monkeypatch):
     target = Target("kitorder", overrides=("model.n_layers=2",), plugins=("titan_kitorder.plugin",))
     session = Session.open(target)
     assert kit.check_state_dict(session) is None and session.initialised is not None
-    assert kit.check_hf_round_trip(Session.open(target)).startswith("model 'kitorder' has no state-dict adapter")
+    assert kit.check_hf_round_trip(Session.open(target)) is None  # the scaffold maps LlamaForCausalLM
 
 
 def test_the_gpt2_example_passes_the_single_process_checks(monkeypatch):

@@ -150,6 +150,10 @@ def test_under_torchrun_each_process_trains_as_its_rank(tmp_path, fsdp2_ref):
     assert got.steps == [1, 2]
     assert got.losses == ref.losses  # same ranks, same seed, same arithmetic: bit for bit
     assert (tmp_path / "torchrun" / "config.yaml").is_file()
+    import json
+
+    launch = json.loads((tmp_path / "torchrun" / "result.json").read_text())["launch"]  # by rank 0
+    assert launch["by"] == "torchrun" and launch["world_size"] == 2
 
 
 def test_slurm_tasks_become_ranks(tmp_path, fsdp2_ref):
@@ -163,7 +167,7 @@ def test_slurm_tasks_become_ranks(tmp_path, fsdp2_ref):
     for task in range(2):
         env = _external_rank_env(tmp_path, "slurm")
         env.update(SLURM_NTASKS="2", SLURM_PROCID=str(task), SLURM_LOCALID=str(task), SLURM_JOB_ID="4242",
-                   SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=port)
+                   SLURM_STEP_ID="0", SLURM_LAUNCH_NODE_IPADDR="127.0.0.1", MASTER_PORT=port)
         procs.append(subprocess.Popen([sys.executable, "-m", "titan_plugins.cli.run", *TRAIN_2], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:

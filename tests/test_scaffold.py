@@ -30,6 +30,7 @@ EXPECTED = [
     "titan_mymodel/conf/__init__.py",
     "titan_mymodel/conf/model/mymodel.yaml",
     "titan_mymodel/config.py",
+    "titan_mymodel/hf.py",
     "titan_mymodel/model.py",
     "titan_mymodel/parallelize.py",
     "titan_mymodel/plugin.py",
@@ -52,7 +53,7 @@ def test_new_writes_a_complete_package(tmp_path, capsys):
     written = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
     assert written == EXPECTED
     out = capsys.readouterr().out
-    assert "wrote 11 files" in out and "titan-run model=mymodel parallelism=fsdp2_tp2" in out
+    assert "wrote 12 files" in out and "titan-run model=mymodel parallelism=fsdp2_tp2" in out
     pyproject = (dest / "pyproject.toml").read_text()
     assert '[project.entry-points.titan_plugins]\nmymodel = "titan_mymodel.plugin"' in pyproject
     for path in dest.rglob("*"):
@@ -61,6 +62,34 @@ def test_new_writes_a_complete_package(tmp_path, capsys):
     # plugin.py and config.py are torch-free; the YAML starts from the stored schema
     assert "import torch" not in (dest / "titan_mymodel/plugin.py").read_text()
     assert "/schema/model/mymodel@_here_" in (dest / "titan_mymodel/conf/model/mymodel.yaml").read_text()
+    # the Hugging Face parts: both maps declared once, referenced from the ModelSpec
+    plugin, hf = ((dest / "titan_mymodel" / f).read_text() for f in ("plugin.py", "hf.py"))
+    for ref in ('state_dict_adapter="titan_mymodel.hf:MymodelStateDictAdapter"',
+                'config_from_hf="titan_mymodel.hf:config_from_hf"', 'config_to_hf="titan_mymodel.hf:config_to_hf"'):
+        assert ref in plugin
+    assert "MAP = HFConfigMap(" in hf and "MAPPING = HFMapping(" in hf
+    assert "load_hf_model" in (dest / "tests/test_mymodel.py").read_text()
+
+
+def test_generated_hf_mapping_loads_transformers_llama_config(tmp_path, monkeypatch):
+    """config_from_hf accepts what transformers writes for LlamaForCausalLM and refuses
+    what the model cannot honour; the declared names cover the state dict both ways."""
+    transformers = pytest.importorskip("transformers")
+    root, _ = scaffold("scafhf", tmp_path / "gen")
+    monkeypatch.syspath_prepend(str(root))
+    from titan_scafhf.config import FLAVORS
+    from titan_scafhf.hf import config_from_hf, config_to_hf
+
+    saved = tmp_path / "cfg"
+    transformers.LlamaConfig(**config_to_hf(FLAVORS["debugmodel"])).save_pretrained(saved)
+    written = json.loads((saved / "config.json").read_text())
+    values = config_from_hf(written)
+    assert values["dim"] == 64 and values["n_kv_heads"] == 2 and values["rope_theta"] == 10000.0
+    for field, value, why in (("hidden_act", "gelu", "implements only 'silu'"),
+                              ("rope_parameters", {"rope_type": "llama3", "rope_theta": 1.0}, "plain RoPE"),
+                              ("sliding_window", 128, "not understood")):
+        with pytest.raises(ConfigError, match=f"^config.json: {field}=.*{why}"):
+            config_from_hf({**written, field: value})
 
 
 def test_new_refuses_a_non_empty_directory_and_taken_names(tmp_path, capsys):

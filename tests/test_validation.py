@@ -61,9 +61,11 @@ def test_builtin_validation_split_is_held_out() -> None:
 
 @pytest.mark.parametrize("overrides, message", [
     (["validation.every=0"], "validation.every=0 must be at least 1"),
-    (["data.name=jsonl", "data.path=x.jsonl"], "validation.path is needed with data.name=jsonl"),
+    (["data.name=jsonl", "data.path={tmp}/x.jsonl"], "validation.path is needed with data.name=jsonl"),
 ])
 def test_bad_validation_settings_fail_before_launch(tmp_path, overrides, message) -> None:
+    (tmp_path / "x.jsonl").write_text('{"text": "a readable training file"}\n')  # checked first
+    overrides = [o.format(tmp=tmp_path) for o in overrides]
     with pytest.raises(ConfigError, match=message):
         run([*BASE, *VALIDATION, *overrides], run_dir=tmp_path / "r", extra_plugins=EXTRA, timeout=60)
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

@@ -27,6 +27,7 @@ __all__ = [
     "FAILURE_DIR_ENV",
     "INTERRUPTED",
     "clear_error_file",
+    "failure_line",
     "first_failure",
     "read_error_file",
     "read_failure_records",
@@ -139,6 +140,13 @@ def first_failure(exc: Any, records: dict[int, dict] | None = None) -> tuple[int
             text = f"rank {rank} was killed by signal {failure.signal_name()}"
             code = 128 - failure.exitcode
     return rank, text, user, code
+
+
+def failure_line(text: str) -> str:
+    """How the launcher prints the job's first failure: ``error: <text>`` for every
+    kind (a user error, a crash with its traceback below, a rank killed by a signal,
+    an exit code), like every other failure line of the CLIs."""
+    return f"error: {text}"
 
 
 # ------------------------------------------------------- the run's error.txt

@@ -149,8 +149,13 @@ class DatasetSpec:
     ``build(data_config, tokenizer, dp_rank, dp_world, seq_len, seed)`` returns an
     iterable of ``(input_ids, labels)`` int64 tensors of length ``seq_len`` with
     ``state_dict()`` / ``load_state_dict()`` so runs resume where they stopped.
+
+    ``check(data_config)`` (optional) raises ``ConfigError`` in one line for a source
+    that cannot be read (missing files, a glob matching nothing, bad weights); the
+    launcher calls it before any rank starts (``titan_plugins.train.prelaunch``).
     """
 
     name: str
     build: Ref
     description: str = ""
+    check: Ref | None = None

@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-grad-norm", action="store_true", help="do not compare gradient norms")
     p.add_argument("--params", action="store_true", help="also compare the final full parameters")
     p.add_argument("--no-seed-checkpoint", action="store_true",
-                   help="let each side initialise from the seed instead of one shared checkpoint")
+                   help="let each side initialise from the seed instead of one shared checkpoint "
+                        "(always so with model.hf: both sides load the folder)")
     p.add_argument("--export", metavar="FILE", help="write the baseline curve to FILE (JSON)")
     p.add_argument("--import", dest="import_", metavar="FILE",
                    help="use a curve exported earlier as the baseline instead of running it")
@@ -58,6 +59,7 @@ def _tolerances(args):
     text = f"loss rtol={loss.rtol:g} atol={loss.atol:g}"
     if grad is not None:
         text += f"; grad norm rtol={grad.rtol:g} atol={grad.atol:g}"
+    text += "; allowed at step N: N x (atol + rtol x |baseline|)"
     return loss, grad, text
 
 
@@ -98,16 +100,25 @@ def run_compare(args) -> int:
     if note:
         print(note)
 
-    if not args.no_seed_checkpoint:
+    from titan_plugins.compare.labels import short_labels
+
+    hf = runner.hf_folder(_without_seed(baseline_overrides)) or runner.hf_folder(_without_seed(test_overrides))
+    if hf and not args.no_seed_checkpoint:
+        # The seed checkpoint would hold a fresh initialisation, not the folder's weights.
+        print(f"note: both sides start from the weights of model.hf={hf} (no seed checkpoint)")
+    if not args.no_seed_checkpoint and not hf:
         seed = runner.make_seed_checkpoint(_without_seed(baseline_overrides), workdir)
         seed_override = f"checkpoint.init_from={seed}"
         test_overrides = [*_without_seed(test_overrides), seed_override]
         if not args.import_:
             baseline_overrides = [*_without_seed(baseline_overrides), seed_override]
 
+    base_label, test_label = short_labels(baseline_overrides, test_overrides)
     if not args.import_:
-        baseline = runner.run_side("baseline", baseline_overrides, workdir, with_params=args.params)
-    test = runner.run_side("test", test_overrides, workdir, with_params=args.params)
+        baseline = runner.run_side("baseline", baseline_overrides, workdir, with_params=args.params,
+                                   steps=args.steps, describe=base_label)
+    test = runner.run_side("test", test_overrides, workdir, with_params=args.params,
+                           steps=args.steps, describe=test_label)
     if args.export:
         baseline.save(args.export)
         print(f"baseline curve written to {args.export}")
@@ -123,7 +134,7 @@ def run_compare(args) -> int:
     if args.plot:
         from titan_plugins.compare.plot import plot_curves
 
-        plot_curves(baseline, test, args.plot, verdict=verdict, tolerance=loss_tol)
+        plot_curves(baseline, test, args.plot, verdict=verdict, tolerance=loss_tol, grad_tolerance=grad_tol)
         print(f"plot written to {args.plot}")
     print(format_report(baseline, test, verdict, tol_text))  # the verdict is the last line
     return 0 if verdict.passed else 1

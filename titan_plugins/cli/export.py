@@ -5,7 +5,10 @@
 
 Writes config.json, sharded safetensors with model.safetensors.index.json and the
 run's tokenizer.json; ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
-loads it. Exit code 0 on success, 2 on bad input.
+loads it. ``--out`` must be a new or empty folder; ``--overwrite`` replaces an
+earlier titan-export of the same kind there and nothing else (a user's folder, the
+run directory, the current directory are never removed: ``titan_plugins.hf.out_dir``).
+Exit code 0 on success, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="titan-export", description=__doc__.split("\n")[0].split(": ", 1)[1])
     p.add_argument("path", metavar="RUN_DIR_OR_CHECKPOINT",
                    help="a run directory (its newest checkpoint) or a checkpoint's step-N folder")
-    p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face folder to write (replaced)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face folder to write (new or empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace DIR if it holds an earlier export of the same kind (never anything else)")
+    kind = p.add_mutually_exclusive_group()  # LoRA runs (peft=lora): titan_plugins/peft/export.py
+    kind.add_argument("--adapter", action="store_true",
+                      help="write the LoRA adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors)")
+    kind.add_argument("--merge", action="store_true",
+                      help="write a full Hugging Face folder with the LoRA adapters merged into the base")
     return p
 
 
@@ -29,7 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     from titan_plugins.hf.export import export_checkpoint
 
     try:
-        out = export_checkpoint(args.path, args.out)
+        if args.adapter or args.merge:
+            from titan_plugins.peft.export import export_adapter, export_merged
+
+            write = export_adapter if args.adapter else export_merged
+            out = write(args.path, args.out, overwrite=args.overwrite)
+        else:
+            from titan_plugins.peft.export import refuse_lora_full_export
+
+            refuse_lora_full_export(args.path)
+            out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)
     except TitanError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -99,3 +99,27 @@ def format_help(pm: TitanPluginManager) -> str:
         out.append("plugin load errors (titan-run refuses to start until they are fixed):")
         out.extend(f"  {line}" for line in pm.errors)
     return "\n".join(out) + "\n"
+
+
+_INFO = ("--info", "-i")
+_INFO_WITHOUT_JOB = ("searchpath", "plugins")  # what Hydra prints does not depend on the job
+
+
+def info_argv(argv: list[str], overrides: list[str], pm: TitanPluginManager) -> list[str]:
+    """``titan-run --info TOPIC``: Hydra composes the job even for the search path, and
+    the job has no default model, so ``--info searchpath`` alone ended in a traceback.
+    For the topics that do not depend on the job, any installed model stands in; the
+    others need ``model=NAME`` (one line, like a run)."""
+    from titan_plugins.errors import ConfigError
+
+    if not any(a in _INFO for a in argv) or any(o.lstrip("+").startswith("model=") for o in overrides):
+        return argv
+    index = max(i for i, a in enumerate(argv) if a in _INFO)
+    topic = argv[index + 1] if index + 1 < len(argv) and not argv[index + 1].startswith("-") else "all"
+    models = sorted(pm.models())
+    if topic not in _INFO_WITHOUT_JOB:
+        choices = ", ".join(models) or "none installed"
+        raise ConfigError(f"--info {topic} shows a composed job: give model=NAME (one of: {choices})")
+    if not models:
+        raise ConfigError(f"--info {topic}: no model plugin is installed (see `titan-plugins list`)")
+    return [*argv, f"model={models[0]}"]

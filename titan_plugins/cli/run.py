@@ -6,18 +6,24 @@
     titan-run ... --json                                      # with plan=true: JSON output
 
 Every user error ends as one ``error: ...`` line with exit code 2, before any
-rank starts. Under ``torchrun`` (or Slurm: ``srun`` with ``SLURM_NTASKS > 1``)
-each process trains as its own rank instead of spawning ranks:
+rank starts. Under ``torchrun``, or as a task of an ``srun`` step of several tasks,
+each process trains as its own rank instead of spawning ranks
+(``titan_plugins.distributed.external``):
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
         --rdzv-endpoint HOST:29500 -m titan_plugins.cli.run model=qwen3 parallelism=fsdp16
-    (the run directory is $TITAN_RUN_DIR, else outputs/torchrun-<run id>-<master addr>-<port>; it
-    must be shared)
+    srun -N 2 --ntasks-per-node 8 --kill-on-bad-exit=1 titan-run model=qwen3 parallelism=fsdp16
+
+The run directory is ``$TITAN_RUN_DIR``, else ``hydra.run.dir=...`` if given, else
+``outputs/slurm-<job>.<step>`` (one per job step) or
+``outputs/torchrun-<run id>-<master addr>-<port>``; it must be shared between the nodes.
+Inside a Slurm allocation but not in such a step (an ``sbatch`` script without ``srun``,
+``salloc``) titan-run starts its own ranks, as on a workstation.
 
 With hydra-submitit-launcher: ``titan-run -m hydra/launcher=submitit_slurm
-hydra.launcher.nodes=2 hydra.launcher.tasks_per_node=8 ...`` runs each job's
-Slurm tasks as its ranks (``SLURM_*`` -> ``RANK``/``WORLD_SIZE``); with one task
-per job, that task spawns the local ranks itself. (Not exercised here: no Slurm.)
+hydra.launcher.tasks_per_node=2 ...`` runs each job's Slurm tasks as its ranks; with one
+task per job, that task spawns the local ranks itself. The sweep directory is claimed
+once, by the launching process; every job and rank uses it.
 """
 
 from __future__ import annotations
@@ -87,14 +93,17 @@ def _sweep_combinations(overrides: list[str]) -> list[list[str]]:
 
 
 def _slurm_to_torchrun_env() -> None:
+    """A task of an ``srun`` step of several tasks is one rank (torchrun's variables from
+    Slurm's); anywhere else in a Slurm job titan-run starts its own ranks."""
+    from titan_plugins.distributed import slurm
+
     env = os.environ
-    if "RANK" in env or int(env.get("SLURM_NTASKS", "1")) <= 1:
+    if "RANK" in env and "WORLD_SIZE" in env:
+        env.setdefault("TITAN_LAUNCHED_BY", "torchrun")
         return
-    env["RANK"] = env["SLURM_PROCID"]
-    env["WORLD_SIZE"] = env["SLURM_NTASKS"]
-    env["LOCAL_RANK"] = env.get("SLURM_LOCALID", "0")
-    env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "localhost"))
-    env.setdefault("MASTER_PORT", "29500")
+    if slurm.where(env) == "step":
+        env.update(slurm.rank_env(env))
+        env["TITAN_LAUNCHED_BY"] = "slurm"
 
 
 def _run_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> int:
@@ -121,32 +130,37 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
 
 def _torchrun_run_dir() -> str:
     """The same directory on every rank of one job, another one for any other live job:
-    torchrun's run id (``none`` unless ``--rdzv-id`` is given) with the master's
-    address and port (which no two live jobs share), or the Slurm job id."""
+    the Slurm job and step (``srun``), else torchrun's run id (``none`` unless
+    ``--rdzv-id`` is given) with the master's address and port (which no two live jobs
+    share)."""
+    from titan_plugins.distributed.slurm import step_name
+
     env = os.environ
-    if env.get("SLURM_JOB_ID") and "TORCHELASTIC_RUN_ID" not in env:
-        return f"outputs/slurm-{env['SLURM_JOB_ID']}"
+    if env.get("TITAN_LAUNCHED_BY") == "slurm":
+        return f"outputs/{step_name(env)}"
     run_id = env.get("TORCHELASTIC_RUN_ID") or "job"
     master = f"{env.get('MASTER_ADDR', 'localhost')}-{env.get('MASTER_PORT', '0')}"
     return f"outputs/torchrun-{run_id}-{master}"
 
 
-def _torchrun_main(overrides: list[str], pm: TitanPluginManager) -> int:
-    """Train as this process's rank (torchrun / Slurm started us)."""
-    from titan_plugins.train.api import prepare_job, write_config
-    from titan_plugins.train.worker import run_rank
+def _torchrun_main(argv: list[str], overrides: list[str], pm: TitanPluginManager) -> int:
+    """Train as this process's rank (torchrun / srun started us)."""
+    from titan_plugins.distributed.external import run_external_rank
+    from titan_plugins.train.api import prepare_job
 
-    run_dir = Path(os.environ.get("TITAN_RUN_DIR") or _torchrun_run_dir()).resolve()
+    given = _given_dir(argv, "hydra.run.dir")
+    key = "TITAN_RUN_DIR" if os.environ.get("TITAN_RUN_DIR") else "hydra.run.dir"
+    run_dir = Path(os.environ.get("TITAN_RUN_DIR") or given or _torchrun_run_dir()).resolve()
     spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
-    if job.plan.enabled:
-        return _run_plan(spec, job, pm) if os.environ["RANK"] == "0" else 0
-    config_path = write_config(job, run_dir)  # identical on every rank, replaced atomically
-    run_rank(config_path)
-    return 0
+    plan = (lambda: _run_plan(spec, job, pm)) if job.plan.enabled else None
+    return run_external_rank(job, run_dir, key=key, overrides=" ".join(overrides), job_name="0", plan=plan)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from titan_plugins.run_dir import forget_claims
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    forget_claims()  # this titan-run claims its own directories
     try:
         return _main(argv)
     except TitanError as exc:
@@ -157,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"error: {INTERRUPTED}", file=sys.stderr, flush=True)
         return 130
+    finally:
+        forget_claims()  # the run directories this titan-run held are free again
 
 
 def _main(argv: list[str]) -> int:
@@ -181,7 +197,7 @@ def _main(argv: list[str]) -> int:
         from titan_plugins.train.api import prepare_job
 
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not multirun:
-            return _torchrun_main(overrides, pm)
+            return _torchrun_main(argv, overrides, pm)
         combos = _sweep_combinations(overrides) if multirun else [overrides]
         for combo in combos:
             try:
@@ -190,6 +206,10 @@ def _main(argv: list[str]) -> int:
                 where = f" (job {' '.join(combo)})" if multirun and len(combos) > 1 else ""
                 raise type(exc)(f"{exc}{where}") from None
         _check_run_dirs(argv, multirun)
+    else:
+        from titan_plugins.cli.help import info_argv
+
+        argv = info_argv(argv, overrides, pm)  # --info searchpath needs no model=
     return _run_with_hydra(argv, pm, multirun)
 
 
@@ -218,14 +238,23 @@ def _print_job(overrides: list[str], pm: TitanPluginManager, package: str | None
     return 0
 
 
+def _given_dir(argv: list[str], key: str) -> str | None:
+    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith(f"{key}=")]
+    return given[-1] if given else None
+
+
 def _check_run_dirs(argv: list[str], multirun: bool) -> None:
-    """The run (or sweep) directory can be written, before Hydra or any rank starts."""
-    from titan_plugins.run_dir import check_writable
+    """Claim the run (or sweep) directory given on the command line before Hydra writes
+    anything into it (``.hydra/``, the job log, ``config.yaml``): a live job's directory
+    is one line and stays untouched. A default directory is claimed when Hydra resolves
+    it (``titan_claim``)."""
+    from titan_plugins.run_dir import check_writable, take
 
     key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
-    given = [a.split("=", 1)[1] for a in argv if a.lstrip("+").startswith(f"{key}=")]
+    given = _given_dir(argv, key)
     if given:
-        check_writable(given[-1], key)
+        take(given, key)
+        check_writable(given, key)
     else:  # the default: a new directory claimed under outputs/ (multirun/)
         check_writable("multirun" if multirun else "outputs", key)
 
@@ -236,13 +265,11 @@ def _run_with_hydra(argv: list[str], pm: TitanPluginManager, multirun: bool) -> 
     from hydra.core.hydra_config import HydraConfig
 
     from titan_plugins.config.hydra_glue import register_configs
-    from titan_plugins.run_dir import forget_claims
     from titan_plugins.train.api import finish_job
-    from titan_plugins.train.sweep import FAILED_JOBS, write_result
+    from titan_plugins.train.sweep import FAILED_JOBS, SWEEP, print_summary, write_result
 
     version.setbase("1.3")
     register_configs(pm)
-    forget_claims()  # this titan-run claims its own directories
     codes: list[int] = []
 
     def task(cfg: Any) -> int:
@@ -255,11 +282,13 @@ def _run_with_hydra(argv: list[str], pm: TitanPluginManager, multirun: bool) -> 
             spec, job, dims = finish_job(cfg, pm, run_dir=run_dir)
             _slurm_to_torchrun_env()  # a submitit job: this Slurm task is one rank
             if "RANK" in os.environ and "WORLD_SIZE" in os.environ and not job.plan.enabled:
-                from titan_plugins.train.api import write_config
-                from titan_plugins.train.worker import run_rank
+                from titan_plugins.distributed.external import run_external_rank
 
-                run_rank(write_config(job, run_dir))
-                code = 0
+                # rank 0 claims the job's directory and writes result.json
+                code = run_external_rank(job, run_dir, key="hydra.sweep.dir", overrides=overrides,
+                                         job_name=job_name)
+                codes.append(code)
+                return code
             else:
                 code = _launch_job(spec, job, dims, pm, run_dir)
         except TitanError as exc:
@@ -277,16 +306,27 @@ def _run_with_hydra(argv: list[str], pm: TitanPluginManager, multirun: bool) -> 
 
     if multirun:
         argv = [*argv, "+hydra.callbacks.titan_summary._target_=titan_plugins.train.sweep.SummaryCallback"]
+    if multirun and any("submitit" in a for a in argv if a.startswith("hydra/launcher")):
+        # srun inside each job (submitit's batch script) stops the job's other tasks when
+        # one fails (srun reads this variable like --kill-on-bad-exit=1)
+        os.environ.setdefault("SLURM_KILL_BAD_EXIT", "1")
     parser = get_args_parser()
     args = parser.parse_args(argv)
     FAILED_JOBS.clear()
-    _run_hydra(
-        args=args,
-        args_parser=parser,
-        task_function=task,
-        config_path="pkg://titan_plugins.conf",
-        config_name="train",
-    )
+    SWEEP.clear()
+    try:
+        _run_hydra(
+            args=args,
+            args_parser=parser,
+            task_function=task,
+            config_path="pkg://titan_plugins.conf",
+            config_name="train",
+        )
+    except SystemExit:  # Hydra reported a launcher failure (submitit: a job Slurm killed)
+        if not multirun or "dir" not in SWEEP or SWEEP.get("printed"):
+            raise
+        print_summary(SWEEP["dir"])
+        return 1
     if multirun:
         return 1 if FAILED_JOBS or any(codes) else 0
     return codes[0] if codes else 0

@@ -1,7 +1,9 @@
 """``titan-plugins new NAME [--dir PATH]``: write a complete, pip-installable model
 plugin (entry point, schema with flavors, a small decoder, a parallelize hook on
-the core's helpers, ``conf/model/NAME.yaml``, a README and a test running the
-conformance kit) from the templates in ``titan_plugins/scaffold_template``.
+the core's helpers, ``hf.py`` mapping config.json and tensor names to transformers'
+``LlamaForCausalLM`` (``HFConfigMap``, ``HFMapping``), ``conf/model/NAME.yaml``, a README
+and a test running the conformance kit and a load/export against transformers) from
+the templates in ``titan_plugins/scaffold_template``.
 
 Template files end in ``.tmpl``; ``{{name}}``, ``{{package}}``, ``{{dist}}`` and
 ``{{Class}}`` are replaced in their text, ``_package_`` and ``_name_`` in their paths.
@@ -90,7 +92,8 @@ def add_parser(subparsers: Any) -> None:
         help="write a new model plugin package (scaffold)",
         description="Write a pip-installable model plugin: pyproject with the titan_plugins entry "
         "point, plugin.py, config schema and flavors, a small decoder, a parallelize hook, "
-        "conf/model/NAME.yaml, a README and a test running the conformance kit.",
+        "hf.py (Hugging Face config and name maps), conf/model/NAME.yaml, a README and a test "
+        "running the conformance kit.",
     )
     p.add_argument("name", help="the model name (model=NAME); the package is titan_NAME")
     p.add_argument("--dir", dest="directory", help="where to write it (default: ./titan-NAME); must be new or empty")

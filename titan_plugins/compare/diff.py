@@ -14,6 +14,7 @@ class StepDiff:
     baseline: float
     test: float
     ok: bool
+    allowed: float = 0.0  # the largest |test - baseline| the tolerance allows at this step
 
     @property
     def abs_diff(self) -> float:
@@ -52,7 +53,7 @@ def compare_series(name: str, baseline: list[float], test: list[float], tol: Tol
     if len(baseline) != len(test):
         diff.length_mismatch = (len(baseline), len(test))
     for i, (b, t) in enumerate(zip(baseline, test), start=1):
-        diff.steps.append(StepDiff(i, b, t, tol.allows(b, t)))
+        diff.steps.append(StepDiff(i, b, t, tol.allows(b, t, step=i), tol.allowed(b, step=i)))
     return diff
 
 

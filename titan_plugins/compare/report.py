@@ -1,16 +1,34 @@
-"""The human-readable comparison: a per-step table and one PASS/FAIL line."""
+"""The human-readable comparison: a per-step table per metric and one PASS/FAIL line."""
 
 from __future__ import annotations
 
 from titan_plugins.compare.curves import Curve
 from titan_plugins.compare.diff import SeriesDiff, Verdict
 
+_VALUE = ".7g"  # enough digits to see a last-bit loss difference of fp32 (1 ulp ~ 1e-7 relative)
+_DIFF = ".2e"
+
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Columns right-aligned to their widest cell, two spaces apart; the last one (the
+    mark) left-aligned; a rule under the header."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    last = len(widths) - 1 if len(widths) > 6 else None
+
+    def line(cells: list[str]) -> str:
+        padded = (c.ljust(w) if i == last else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    return [line(rows[0]), line(["-" * w for w in widths]), *(line(row) for row in rows[1:])]
+
 
 def _series_table(diff: SeriesDiff) -> list[str]:
-    lines = [f"{'step':>5}  {diff.name + ' baseline':>22}  {diff.name + ' test':>22}  {'abs diff':>10}  {'rel diff':>10}"]
-    for s in diff.steps:
-        mark = "" if s.ok else "  <-- outside tolerance"
-        lines.append(f"{s.step:>5}  {s.baseline:>22.15g}  {s.test:>22.15g}  {s.abs_diff:>10.3e}  {s.rel_diff:>10.3e}{mark}")
+    marks = not diff.passed  # a last column only where some step is outside
+    rows = [[str(s.step), format(s.baseline, _VALUE), format(s.test, _VALUE), format(s.abs_diff, _DIFF),
+             format(s.rel_diff, _DIFF), format(s.allowed, _DIFF)] + (["" if s.ok else "<-- outside"] * marks)
+            for s in diff.steps]
+    headers = ["step", f"{diff.name} baseline", f"{diff.name} test", "abs diff", "rel diff", "allowed"]
+    lines = _table([headers + ["tolerance"] * marks, *rows])
     lines.append(f"{diff.name}: max abs diff {diff.max_abs:.3e}, mean abs diff {diff.mean_abs:.3e}")
     if diff.length_mismatch:
         b, t = diff.length_mismatch

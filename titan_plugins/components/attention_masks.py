@@ -8,32 +8,88 @@ Each mask comes in the two forms the kernels take: a boolean ``[B, 1, S, S]``
 tensor for SDPA (True = attend) and a flex attention ``BlockMask``. Both are
 evaluated from the same predicate, so the two kernels compute the same function.
 
+Packed conversations carry their document ids beside the tokens (an end-of-turn
+token inside a conversation is no boundary): the trainer sets them with
+``documents(doc_ids)`` around the forward, and ``document_ids`` returns them in
+place of the ids found from ``eos_id``, so every model that builds a
+``block_causal`` mask from ``document_ids`` honours them without a new argument.
+
 The enum is importable without torch (model configs live in Hydra schemas); the
 builders import torch when called.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
     from torch.nn.attention.flex_attention import BlockMask
 
-__all__ = ["AttentionMask", "document_ids", "dense_mask", "block_mask"]
+__all__ = ["AttentionMask", "Documents", "document_ids", "documents", "dense_mask", "block_mask"]
 
 
 class AttentionMask(str, Enum):
-    """``causal``; ``block_causal``: causal within documents, which end at ``eos_id``."""
+    """``causal``; ``block_causal``: causal within documents, which end at ``eos_id``
+    (or are given by ``documents()``: packed conversations)."""
 
     causal = "causal"
     block_causal = "block_causal"
 
 
+class Documents:
+    """The document ids ``[B, S]`` of the batch in flight; ``used`` turns True when a
+    model's ``document_ids`` call took them (the trainer refuses a packed batch that
+    no mask consulted: its conversations would attend to each other)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids, self.used = ids, False
+
+
+_DOCUMENTS: ContextVar[Documents | None] = ContextVar("titan_document_ids", default=None)
+
+
+@contextlib.contextmanager
+def documents(ids: torch.Tensor | None) -> Iterator[Documents | None]:
+    """While active, ``document_ids`` returns ``ids`` (per token, its document index in
+    the row) for tokens of their shape; ``None``: no-op (documents from ``eos_id``)."""
+    if ids is None:
+        yield None
+        return
+    docs = Documents(ids)
+    token = _DOCUMENTS.set(docs)
+    try:
+        yield docs
+    finally:
+        _DOCUMENTS.reset(token)
+
+
+def _given(tokens: Any) -> torch.Tensor | None:
+    docs = _DOCUMENTS.get()
+    if docs is None:
+        return None
+    if tuple(docs.ids.shape) != tuple(tokens.shape[:2]):
+        raise ValueError(
+            f"packed documents: the batch's document ids have shape {tuple(docs.ids.shape)} but the "
+            f"model asked for tokens of shape {tuple(tokens.shape[:2])} (call document_ids on the "
+            "whole batch, e.g. in the pipeline's stage_inputs, not per microbatch)"
+        )
+    docs.used = True
+    return docs.ids.to(tokens.device)
+
+
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Per token, the index of its document in the row (an EOS ends its document)."""
+    """Per token, the index of its document in the row: the ids set by ``documents()``
+    if any, else found from the tokens (an EOS ends its document)."""
     import torch
+
+    given = _given(tokens)
+    if given is not None:
+        return given
 
     eos = (tokens == eos_id).to(torch.int32)
     return torch.cumsum(eos, dim=1) - eos

@@ -82,19 +82,23 @@ def resolve_model(model_node: DictConfig, spec: ModelSpec) -> DictConfig:
          if k not in MODEL_META_KEYS}
     )
     hf = model_node.get("hf")
+    partial = bool(model_node.get("hf_partial", False))
     try:
         base = OmegaConf.merge(base, OmegaConf.structured(flavor))
         if hf:  # config.json on top of the flavor, the user's overrides on top of it
-            from titan_plugins.hf.config import hf_model_values
+            from titan_plugins.hf.config import check_partial, hf_model_values, yaml_defaults
 
-            base = OmegaConf.merge(base, hf_model_values(spec, hf))
+            values = hf_model_values(spec, hf)
+            user = yaml_defaults(model_node, user, values)  # a YAML's ${...} yields to config.json
+            check_partial(hf, values, user, partial)
+            base = OmegaConf.merge(base, values)
         merged = OmegaConf.merge(base, user)
     except ConfigError:
         raise
     except Exception as exc:  # OmegaConf's merge errors, rewritten as one line
         raise model_error(exc, spec, user) from exc
     hf = str(Path(hf).resolve()) if hf else None  # ranks may start elsewhere
-    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name, "hf": hf})
+    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name, "hf": hf, "hf_partial": partial})
     return OmegaConf.merge(
         out, OmegaConf.create(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     )

@@ -11,6 +11,16 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from titan_plugins.peft.config import PeftConfig
+
+
+def ranged(default: Any, interval: str) -> Any:
+    """A numeric field with the values it may take, in interval notation
+    (``"[1, inf)"``, ``"(0, 1]"``); ``titan_plugins.train.prelaunch.check_ranges``
+    checks every such field before any rank starts (None, where allowed, passes).
+    The one place a range is declared: add it here, not as a check elsewhere."""
+    return field(default=default, metadata={"range": interval})
+
 
 class Dtype(str, Enum):
     float32 = "float32"
@@ -64,8 +74,8 @@ class ParallelismConfig:
     # GPipe | 1F1B | Interleaved1F1B. A str, not an Enum: an Enum member cannot be
     # named "1F1B", and users type the schedule's real name. Checked before launch.
     pp_schedule: str = "1F1B"
-    pp_microbatches: int | None = None  # default: the number of stages
-    pp_stages_per_rank: int = 1  # >1 for interleaved schedules
+    pp_microbatches: int | None = ranged(None, "[1, inf)")  # default: the number of stages
+    pp_stages_per_rank: int = ranged(1, "[1, inf)")  # >1 for interleaved schedules
     fsdp_reshard_after_forward: ReshardAfterForward = ReshardAfterForward.default
     device: str = "auto"  # auto | cpu | cuda
     backend: str = "auto"  # auto | gloo | nccl
@@ -87,25 +97,43 @@ class PrecisionConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = 60
+    steps: int = ranged(60, "[1, inf)")
     seed: int = 0
     deterministic: bool = False
-    local_batch_size: int = 4  # sequences per data-parallel rank per microbatch
-    grad_accum_steps: int = 1
-    seq_len: int = 128
-    lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 5
+    local_batch_size: int = ranged(4, "[1, inf)")  # sequences per data-parallel rank per microbatch
+    grad_accum_steps: int = ranged(1, "[1, inf)")
+    seq_len: int = ranged(128, "[1, inf)")
+    lr: float = ranged(3e-3, "(0, inf)")
+    min_lr_ratio: float = ranged(0.1, "[0, 1]")
+    warmup_steps: int = ranged(5, "[0, inf)")
     decay: LRDecay = LRDecay.cosine
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    max_norm: float = 1.0
+    weight_decay: float = ranged(0.1, "[0, inf)")
+    beta1: float = ranged(0.9, "[0, 1)")
+    beta2: float = ranged(0.95, "[0, 1)")
+    eps: float = ranged(1e-8, "(0, inf)")
+    max_norm: float = ranged(1.0, "(0, inf)")
     activation_checkpoint: ActivationCheckpoint = ActivationCheckpoint.none
-    selective_every: int = 2
+    selective_every: int = ranged(2, "[1, inf)")
     compile: bool = False
     dump_final_params: bool = False  # rank 0 writes <run_dir>/final_params.pt (full tensors)
+
+
+@dataclass
+class ChatDataConfig:
+    """``data.name=chat`` (titan_plugins/train/data/chat_source.py)."""
+
+    format: str = "auto"  # auto | messages | sharegpt | instruction | prompt_completion
+    messages_field: str | None = None  # default: messages (conversations for sharegpt)
+    system_field: str = "system"
+    instruction_field: str = "instruction"
+    input_field: str = "input"
+    output_field: str = "output"
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    template: str | None = None  # a .jinja file or a shipped name (chatml); default: the tokenizer folder's
+    train_on: str = "assistant"  # assistant | last_assistant | all: the tokens the loss counts
+    pack: bool = True  # several conversations per row (block-causal); false: one per row, padded
+    overlong: str = "truncate"  # a conversation over seq_len: truncate (keep its start) | drop
 
 
 @dataclass
@@ -115,18 +143,19 @@ class DataConfig:
     text_field: str = "text"
     split: str = "train"
     tokenizer: str | None = None  # a tokenizer.json; default: the shipped one
-    vocab_size: int | None = None  # synthetic data only: default the tokenizer's
-    num_workers: int = 1  # loader worker processes per rank (streaming sources); 0: in the rank
-    prefetch_factor: int = 2  # batches each worker prepares ahead
+    vocab_size: int | None = ranged(None, "[1, inf)")  # synthetic data only: default the tokenizer's
+    num_workers: int = ranged(1, "[0, inf)")  # loader worker processes per rank (streaming sources); 0: in the rank
+    prefetch_factor: int = ranged(2, "[1, inf)")  # batches each worker prepares ahead
     mix: list[Any] = field(default_factory=list)  # data.name=mix: [{name, path, weight}, ...]
+    chat: ChatDataConfig = field(default_factory=ChatDataConfig)  # data.name=chat
 
 
 @dataclass
 class CheckpointConfig:
     enabled: bool = False
     folder: str = "checkpoints"  # relative to the run directory
-    interval: int = 50
-    keep_last: int = 2
+    interval: int = ranged(50, "[1, inf)")  # steps between saves (the last step is saved too)
+    keep_last: int = ranged(2, "[0, inf)")  # 0: keep every checkpoint
     resume: bool = True  # resume from the newest checkpoint in folder if any
     init_from: str | None = None  # a seed checkpoint (model weights only)
     save_final: bool = True
@@ -163,10 +192,10 @@ class WandbConfig:
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = 1
+    log_freq: int = ranged(1, "[1, inf)")
     jsonl: bool = True
     tensorboard: bool = True
-    peak_tflops: float | None = None  # per device, for MFU; default per device type
+    peak_tflops: float | None = ranged(None, "(0, inf)")  # per device, for MFU; default per device type
     console: bool = True  # the rank-0 log line per step, the run header and summary
     mlflow: MLflowConfig = field(default_factory=MLflowConfig)
     wandb: WandbConfig = field(default_factory=WandbConfig)
@@ -178,8 +207,8 @@ class ProfilingConfig:
     ``<run_dir>/profile`` (titan_plugins/train/profiling.py)."""
 
     enabled: bool = False
-    start_step: int = 3  # the first traced step (counting from 1); earlier steps warm up
-    steps: int = 2  # how many steps to trace
+    start_step: int = ranged(3, "[1, inf)")  # the first traced step (counting from 1); earlier steps warm up
+    steps: int = ranged(2, "[1, inf)")  # how many steps to trace
     record_shapes: bool = False
     profile_memory: bool = False
     with_stack: bool = False
@@ -192,7 +221,7 @@ class PlanConfig:
     # ``plan.world_size=N`` on the command line is read as that key (config/compose.py).
     enabled: bool = False
     ranks: list[int] | None = None  # default: rank 0 and the first rank of the last stage
-    device_memory_gb: float = 80.0
+    device_memory_gb: float = ranged(80.0, "(0, inf)")
     json: bool = False
 
 
@@ -201,8 +230,8 @@ class ValidationConfig:
     """Held-out loss every ``every`` steps (titan_plugins/train/validation.py)."""
 
     enabled: bool = False
-    every: int = 50  # steps between validations (and after the last step)
-    steps: int = 4  # batches of training.local_batch_size rows per rank, each time
+    every: int = ranged(50, "[1, inf)")  # steps between validations (and after the last step)
+    steps: int = ranged(4, "[1, inf)")  # batches of training.local_batch_size rows per rank, each time
     split: str = "validation"  # of the data source (builtin: its held-out 5%)
     name: str | None = None  # another dataset for validation (default: data.name)
     path: str | None = None  # the held-out file or folder (text/jsonl/parquet need it)
@@ -220,4 +249,5 @@ class JobConfig:
     plan: PlanConfig = field(default_factory=PlanConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)  # peft=lora: titan_plugins/peft
     run_dir: str = "."  # set by titan-run to Hydra's output directory

@@ -19,7 +19,7 @@ from titan_plugins.plugins import TitanPluginManager
 from titan_plugins.spec import ModelSpec, resolve
 
 # The keys of the ``model`` node that choose a model; every other key is its config.
-MODEL_META_KEYS = ("name", "flavor", "hf")
+MODEL_META_KEYS = ("name", "flavor", "hf", "hf_partial")
 
 # Hydra instantiates search-path plugins itself (no arguments), so the entries of
 # the current plugin manager are handed over here right before composition.
@@ -57,6 +57,8 @@ def model_schema_node(spec: ModelSpec) -> DictConfig:
             ("name", str, dataclasses.field(default=spec.name)),
             ("flavor", str, dataclasses.field(default=spec.default_flavor)),
             ("hf", str | None, dataclasses.field(default=None)),  # a Hugging Face model folder
+            # load a part of model.hf (fewer layers than the folder's) on purpose
+            ("hf_partial", bool, dataclasses.field(default=False)),
         ],
         bases=(schema,),
         kw_only=True,

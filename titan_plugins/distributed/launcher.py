@@ -31,11 +31,12 @@ from titan_plugins.failures import (
     ERROR_FILE,
     FAILURE_DIR_ENV,
     INTERRUPTED,
+    failure_line,
     first_failure,
     read_failure_records,
     write_error_file,
 )
-from titan_plugins.run_dir import hold
+from titan_plugins.run_dir import owned
 
 __all__ = ["FAILURE_DIR_ENV", "free_port", "launch", "read_failure_records"]
 
@@ -84,7 +85,9 @@ def launch(
         monitor_interval=0.1,
         start_method=_start_method([entry.__module__, *preload]),
     )
-    with hold(Path(config_path).parent):  # no second live job in this run directory
+    with owned(Path(config_path).parent):  # no second live job in this run directory
+        if config.start_method == "forkserver":
+            _start_fork_server()
         return _launch(config, entry, config_path, error_file)
 
 
@@ -103,8 +106,41 @@ def _start_method(preload: list[str]) -> str:
 
     if "forkserver" not in multiprocessing.get_all_start_methods() or not _stop_fork_server():
         return "spawn"
-    multiprocessing.set_forkserver_preload(["torch", *preload])
+    multiprocessing.set_forkserver_preload(["titan_plugins.distributed._server_env", "torch", *preload])
     return "forkserver"
+
+
+# The ranks' fork server restores these in its own environment (_server_env.py) once its
+# sys.path is set up, so that the ranks and their children see the launcher's environment.
+SERVER_ENV_SAVED = "TITAN_FORKSERVER_SAVED_ENV"
+
+
+def _start_fork_server() -> None:
+    """Start the fork server with exactly this process's ``sys.path``.
+
+    Python (3.11) starts the server with ``python -c``, which puts the current directory
+    first on its ``sys.path`` and ignores the ``sys_path`` it is handed, so a
+    ``titan_plugins/`` (or ``torch/``) folder where the user typed the command would be
+    what the ranks import. The server starts with ``PYTHONSAFEPATH`` (no current
+    directory) and this process's ``sys.path`` as its ``PYTHONPATH``; its first preloaded
+    module puts the user's own values of both back before any rank forks."""
+    import json
+    from multiprocessing import forkserver
+
+    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "PYTHONSAFEPATH")}
+    os.environ[SERVER_ENV_SAVED] = json.dumps(saved)
+    os.environ["PYTHONSAFEPATH"] = "1"
+    # "" (``python -m`` / ``-c`` in this process) is this process's current directory
+    os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        os.environ.pop(SERVER_ENV_SAVED, None)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _stop_fork_server() -> bool:
@@ -132,8 +168,7 @@ def _launch(config, entry, config_path, error_file) -> int:
         elastic_launch(config, entry)(str(config_path))
     except ChildFailedError as exc:
         rank, text, user, code = first_failure(exc, read_failure_records(failure_dir))
-        line = f"error: {text}" if user else text
-        print(line, file=sys.stderr, flush=True)
+        print(failure_line(text), file=sys.stderr, flush=True)  # one format for every failure
         if error_file is not None:
             write_error_file(Path(error_file).parent, text)
         return code if code > 0 else 1

@@ -49,7 +49,14 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import (
+    DTensor,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -60,6 +67,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 __all__ = [
+    "AdapterAware",
     "EmbeddingParallel",
     "LocalAttention",
     "ReplicateParallel",
@@ -105,11 +113,55 @@ def apply_tp_plan(
     if module is None:
         return None
     if isinstance(plan, ParallelStyle):
-        return parallelize_module(module, tp_mesh, plan)
-    kept = {key: style for key, style in plan.items() if "*" in key or _owned(module, key)}
+        return parallelize_module(module, tp_mesh, AdapterAware.wrap(plan))
+    kept = {key: AdapterAware.wrap(style) for key, style in plan.items() if "*" in key or _owned(module, key)}
     if kept:
         parallelize_module(module, tp_mesh, kept)
     return module
+
+
+class AdapterAware(ParallelStyle):
+    """A column- or row-wise style that also places a LoRA adapter pair like its base
+    layer (``apply_tp_plan`` wraps every such style; nothing for a plugin to do).
+
+    With ``W x`` column-wise (``W`` ``Shard(0)``), ``A`` is replicated and ``B``
+    ``Shard(0)``: ``B (A x)`` comes out ``Shard(-1)`` like ``W x``. Row-wise (``W``
+    ``Shard(1)``, input ``Shard(-1)``), ``A`` is ``Shard(1)`` and ``B`` replicated:
+    ``B (A x)`` is ``Partial`` like ``W x`` and rides on the base layer's own
+    reduction. No collective moves a base weight; the adapters' gradients reduce
+    only rank-sized activations. Other styles (e.g. ``ReplicateParallel``) replicate
+    the adapters with the rest of the module.
+    """
+
+    def __init__(self, inner: ParallelStyle) -> None:
+        super().__init__()
+        self.inner = inner
+
+    @classmethod
+    def wrap(cls, style: ParallelStyle) -> ParallelStyle:
+        return cls(style) if isinstance(style, ColwiseParallel | RowwiseParallel) else style
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        self.inner.src_data_rank = getattr(self, "src_data_rank", 0)
+        if "lora_A" not in module._modules:
+            return self.inner._apply(module, device_mesh)
+        children = dict(module._modules)  # the adapters and their dropout
+        module._modules.clear()
+        try:
+            module = self.inner._apply(module, device_mesh)  # the base layer alone
+        finally:
+            module._modules.update(children)
+        pair = {k: children[k] for k in ("lora_A", "lora_B")}
+        rowwise_base = isinstance(self.inner, RowwiseParallel)
+        layouts = {"lora_A": Shard(1) if rowwise_base else Replicate(),
+                   "lora_B": Replicate() if rowwise_base else Shard(0)}
+        for key, adapter in pair.items():
+            param = adapter.weight
+            adapter.weight = nn.Parameter(
+                distribute_tensor(param, device_mesh, [layouts[key]], src_data_rank=None),
+                requires_grad=param.requires_grad,
+            )
+        return module
 
 
 def owned_blocks(layers: nn.ModuleDict | None) -> Iterator[nn.Module]:

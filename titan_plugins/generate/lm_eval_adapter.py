@@ -4,6 +4,10 @@
 greedy decoding would produce it), ``loglikelihood_rolling`` a whole text in windows of
 the model's context, ``generate_until`` decodes greedily (KV cache) until a stop string.
 One process, one request at a time: meant for small local tasks, not throughput.
+
+Every context is tokenized as training tokenized a document's start
+(``generate.prompt.document_start``: BOS where the tokenizer has one, else EOS), so
+an empty context is that prefix alone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
 
+from titan_plugins.generate.prompt import document_start
 from titan_plugins.generate.sampling import SamplingConfig, generate
 
 
@@ -23,6 +28,7 @@ class TitanLM(LM):
         self.model, self.tok, self.max_length, self._device = model.eval(), tokenizer, max_length, device
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_id = eos if eos is not None and eos >= 0 else None
+        self.prefix = document_start(tokenizer)  # what a training document starts after
 
     @torch.no_grad()
     def _logprobs(self, ids: list[int], n_target: int) -> tuple[float, bool]:
@@ -38,9 +44,7 @@ class TitanLM(LM):
         out = []
         for req in requests:
             context, continuation = req.args
-            ctx = self.tok.encode(context) if context else []
-            if not ctx and self.eos_id is not None:
-                ctx = [self.eos_id]
+            ctx = self.prefix + (self.tok.encode(context) if context else [])
             cont = self.tok.encode(continuation)
             out.append(self._logprobs(ctx + cont, len(cont)))
         return out
@@ -49,8 +53,10 @@ class TitanLM(LM):
         out = []
         for req in requests:
             ids = self.tok.encode(req.args[0])
-            full = ([self.eos_id] if self.eos_id is not None else []) + ids
-            first = 1  # the first id has no context: with an EOS prefix that is the EOS
+            full = self.prefix + ids
+            # scored from the text's first id on, given the prefix (without one, the first
+            # id has no context and is not scored)
+            first = max(len(self.prefix), 1)
             n = len(full) - first
             total = 0.0
             for start in range(0, n, self.max_length):  # disjoint windows, each with full context
@@ -65,7 +71,8 @@ class TitanLM(LM):
             context, kwargs = req.args
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            ids = self.tok.encode(context)[-self.max_length :]
+            room = self.max_length - len(self.prefix)
+            ids = self.prefix + self.tok.encode(context)[-room:]
             budget = min(int(kwargs.get("max_gen_toks", 64)), self.max_length - len(ids))
             cfg = SamplingConfig(max_new_tokens=max(budget, 1), eos_id=self.eos_id)
             new = generate(self.model, torch.tensor([ids], device=self._device), cfg)[0].tolist()

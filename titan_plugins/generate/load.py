@@ -29,22 +29,31 @@ class Loaded:
 
 
 def _materialize(spec: ModelSpec, job: DictConfig, device: torch.device) -> torch.nn.Module:
-    from titan_plugins.train.lifecycle import build_meta_model
+    """The run's model as it trained: built on meta, with a LoRA run's adapters
+    (``peft=lora``: the same transform, titan_plugins/peft), materialized."""
+    from titan_plugins.peft.lora import init_adapters
+    from titan_plugins.train.lifecycle import apply_peft, build_meta_model
 
     model = build_meta_model(spec, job)
     if not supports_generation(model):
         raise ConfigError(
             f"model={spec.name}: its forward takes no cache= (the plugin does not support generation)"
         )
+    apply_peft(model, spec, job)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)
+    init_adapters(model, int(job.training.seed))
     return model
 
 
 def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManager | None = None) -> Loaded:
-    """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir."""
+    """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir.
+    A LoRA run's adapter-only checkpoint goes onto its base (``checkpoint.init_from``,
+    else ``model.hf``), as a start of the run puts it."""
     from titan_plugins.hf.export import find_checkpoint
+    from titan_plugins.peft.checkpoint import load_lora_run_weights
+    from titan_plugins.peft.lora import lora_enabled
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import typed_job
     from titan_plugins.train.checkpoint import load_model_weights
@@ -55,7 +64,10 @@ def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManag
     pm = pm or get_plugin_manager()
     spec = pm.get_model(job.model.name)
     model = _materialize(spec, job, device)
-    load_model_weights([model], checkpoint)
+    if lora_enabled(job):
+        load_lora_run_weights([model], spec, job, checkpoint)
+    else:
+        load_model_weights([model], checkpoint)
     return Loaded(model, build_tokenizer(job.data), job, checkpoint)
 
 

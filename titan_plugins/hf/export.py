@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.hf.config import FolderTokens
+from titan_plugins.hf.out_dir import claim_out_dir, publish_dir, staging_dir
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -25,7 +27,10 @@ if TYPE_CHECKING:
     from titan_plugins.plugins import TitanPluginManager
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["export_checkpoint", "export_folder", "export_run", "find_checkpoint", "read_dcp_model", "write_safetensors"]
+__all__ = [
+    "export_checkpoint", "export_config", "export_folder", "export_run", "find_checkpoint", "folder_tokens",
+    "hf_names", "make_adapter", "read_dcp_model", "write_safetensors",
+]
 
 MAX_SHARD = "2GB"
 
@@ -99,7 +104,9 @@ def write_safetensors(hf_sd: dict[str, torch.Tensor], out: Path, dtype: torch.dt
 
 
 def _tokenizer_file(job: DictConfig) -> Path | None:
-    tok = job.data.get("tokenizer") if hasattr(job, "data") else None
+    if not hasattr(job, "data"):  # titan_plugins.hf.api.export_model without a tokenizer
+        return None
+    tok = job.data.get("tokenizer")
     if tok:
         p = Path(tok)
         p = p / "tokenizer.json" if p.is_dir() else p
@@ -112,44 +119,212 @@ def _tokenizer_file(job: DictConfig) -> Path | None:
     return p if p.is_file() else None
 
 
-def export_folder(spec: ModelSpec, config: Any, job: DictConfig, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
-    """Write ``out`` (replaced if it exists) from our full ``state_dict``."""
-    to_hf_config = spec.load("config_to_hf")
+def make_adapter(spec: ModelSpec, config: Any, hf_assets_path: str | Path | None = None) -> Any:
+    """The plugin's state-dict adapter for ``config`` (``hf_assets_path``: the folder a
+    load reads, for an adapter whose names depend on its layout)."""
+    import inspect
+
     adapter_cls = spec.load("state_dict_adapter")
-    if to_hf_config is None or adapter_cls is None or not hasattr(adapter_cls, "to_hf"):
-        raise ConfigError(f"model {spec.name!r} cannot be exported: its plugin has no config_to_hf or adapter to_hf")
-    hf_config = to_hf_config(config)
-    hf_sd = adapter_cls(config).to_hf(state_dict)
-    out = Path(out)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    if adapter_cls is None or not hasattr(adapter_cls, "to_hf"):
+        raise ConfigError(f"model {spec.name!r} has no state-dict adapter with to_hf")
+    if hf_assets_path is not None and "hf_assets_path" in inspect.signature(adapter_cls).parameters:
+        return adapter_cls(config, hf_assets_path=str(hf_assets_path))
+    return adapter_cls(config)
+
+
+def hf_names(spec: ModelSpec, config: Any, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[str]]:
+    """Which Hugging Face tensors each of the plugin's state-dict entries becomes
+    (``{our name: [hf names]}``, empty where Hugging Face has no such tensor), from
+    the adapter's ``to_hf`` on meta tensors of the given shapes. Entries fused on the
+    Hugging Face side (gate and up projections in one tensor) name the fused tensor."""
+    adapter = make_adapter(spec, config)
+    meta = {k: torch.empty(tuple(s), device="meta") for k, s in shapes.items()}
+    out: dict[str, list[str]] = {}
+    for key, value in meta.items():
+        try:
+            out[key] = sorted(adapter.to_hf({key: value}))
+            continue
+        except Exception:  # needs its fused partners: map it with its layer's entries
+            pass
+        layer = _layer_prefix(key)
+        group = {k: v for k, v in meta.items() if _layer_prefix(k) == layer}
+        alone = {k: set(_try_to_hf(adapter, {k: v})) for k, v in group.items()}
+        others = set().union(*[n for k, n in alone.items() if k != key])
+        out[key] = sorted(set(adapter.to_hf(group)) - others)
+    return out
+
+
+def _layer_prefix(key: str) -> str:
+    import re
+
+    match = re.search(r"^(.*?\.\d+)\.", key)
+    return match.group(1) if match else ""
+
+
+def _try_to_hf(adapter: Any, sd: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return adapter.to_hf(sd)
+    except Exception:
+        return {}
+
+
+def _folder_config(spec: ModelSpec, job: DictConfig) -> Any | None:
+    """The model config ``model.hf`` alone gives (flavor + config.json, no overrides)."""
+    from omegaconf import OmegaConf
+
+    from titan_plugins.hf.config import hf_model_values
+    from titan_plugins.spec import resolve
+
+    flavor = spec.flavor(job.model.get("flavor") or spec.default_flavor)
+    merged = OmegaConf.merge(OmegaConf.structured(resolve(spec.config)), OmegaConf.structured(flavor),
+                             hf_model_values(spec, job.model.hf))
+    return OmegaConf.to_object(merged)
+
+
+def _source_config(job: DictConfig) -> dict[str, Any] | None:
+    hf = job.model.get("hf") if hasattr(job, "model") else None
+    if not hf or not (Path(hf) / "config.json").is_file():
+        return None
+    return json.loads((Path(hf) / "config.json").read_text())
+
+
+def export_config(spec: ModelSpec, config: Any, job: DictConfig) -> dict[str, Any]:
+    """config.json for the trained ``config``. From a run that loaded ``model.hf``: the
+    folder's config.json with only what the run changed laid over it (a field whose
+    ``config_to_hf`` value differs between the folder's own config and the run's), so
+    what the folder said and the run did not change is written back unchanged (EOS
+    lists, ``max_position_embeddings``, fields the plugin does not read)."""
+    to_hf_config = spec.load("config_to_hf")
+    if to_hf_config is None:
+        raise ConfigError(f"model {spec.name!r} cannot be exported: its plugin has no config_to_hf")
+    ours = to_hf_config(config)
+    source = _source_config(job)
+    if source is None:
+        return ours
+    if source.get("model_type") != ours.get("model_type") and isinstance(source.get("text_config"), dict):
+        source = dict(source["text_config"])  # a multimodal folder: its text model is what trained
+        source.update(architectures=ours.get("architectures"), model_type=ours.get("model_type"))
+    try:
+        baseline = to_hf_config(_folder_config(spec, job))
+    except ConfigError:
+        return ours
+    changed = {k: v for k, v in ours.items() if k not in baseline or baseline[k] != v}
+    return {**source, **changed}
+
+
+def folder_tokens(job: DictConfig, hf_config: dict[str, Any], vocab_size: int | None) -> FolderTokens:
+    """BOS/EOS/PAD for the export: the source folder's (``model.hf``) as it said them,
+    else the run's tokenizer's; an id outside the model's vocabulary is left out."""
+    source = _source_config(job)
+    tokens = FolderTokens()
+    tokenizer = _tokenizer_file(job)
+    tok = None
+    if tokenizer is not None:
+        from titan_plugins.train.data.tokenizer import Tokenizer
+
+        try:
+            tok = Tokenizer.load(tokenizer)
+        except Exception:  # a stub or foreign file: no ids from it
+            tok = None
+    if tok is not None:
+        for attr, name in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", tok.pad_id)):
+            if name is not None and name >= 0:
+                setattr(tokens, attr, int(name))
+                tokens.names[f"{attr}_token"] = tok.tok.id_to_token(int(name))
+    if source is not None:
+        for attr in ("bos", "eos", "pad"):
+            if source.get(f"{attr}_token_id") is not None:
+                setattr(tokens, attr, source[f"{attr}_token_id"])
+    elif tokens.eos is None and hf_config.get("eos_token_id") is not None:
+        tokens.eos = hf_config["eos_token_id"]
+
+    def inside(v: Any) -> Any:
+        if vocab_size is None or v is None:
+            return v
+        if isinstance(v, list):
+            kept = [i for i in v if 0 <= int(i) < vocab_size]
+            return kept or None
+        return v if 0 <= int(v) < vocab_size else None
+
+    tokens.bos, tokens.eos, tokens.pad = inside(tokens.bos), inside(tokens.eos), inside(tokens.pad)
+    return tokens
+
+
+def _write_side_files(tmp: Path, job: DictConfig, tokens: FolderTokens) -> None:
+    """tokenizer.json (the run's), tokenizer_config.json, special_tokens_map.json,
+    chat_template.jinja and generation_config.json: the source folder's where it has
+    them, else written from ``tokens``."""
+    tokenizer = _tokenizer_file(job)
+    hf = job.model.get("hf") if hasattr(job, "model") else None
+    sources = [Path(p) for p in (tokenizer.parent if tokenizer else None, hf) if p]
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
+    for extra in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                  "generation_config.json"):
+        found = next((d / extra for d in sources if (d / extra).is_file()), None)
+        if found is not None:
+            shutil.copyfile(found, tmp / extra)
+    ids = tokens.config_fields()
+    if not (tmp / "generation_config.json").exists():
+        (tmp / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    if tokenizer is not None and not (tmp / "tokenizer_config.json").exists():
+        tok_config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **tokens.names}
+        template = tmp / "chat_template.jinja"
+        if template.is_file():
+            tok_config["chat_template"] = template.read_text()
+        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+
+
+def _plain_modes(folder: Path) -> None:
+    """Files and the folder with the usual permissions (umask), not safetensors' or
+    mkdtemp's owner-only 0600/0700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
+def export_folder(spec: ModelSpec, config: Any, job: DictConfig, state_dict: dict[str, torch.Tensor], out: str | Path) -> Path:
+    """Write ``out`` from our full ``state_dict``: a new or empty folder, or an earlier
+    full export (the caller claims it first: ``hf/out_dir.py``).
+
+    config.json is :func:`export_config`'s with the special-token ids of
+    :func:`folder_tokens` and the weights' dtype; tokenizer and generation files go
+    beside it (:func:`_write_side_files`)."""
+    hf_config = export_config(spec, config, job)
+    hf_sd = make_adapter(spec, config).to_hf(state_dict)
+    tokens = folder_tokens(job, hf_config, getattr(config, "vocab_size", None))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the ids of folder_tokens only
+        hf_config.pop(key, None)
+    hf_config.update(tokens.config_fields())
+    tmp = staging_dir(out)  # a new folder: nothing of the user's is removed (hf/out_dir.py)
     dtypes = {t.dtype for t in hf_sd.values() if t.is_floating_point()}
     if len(dtypes) == 1:  # the weights as trained (precision.weight_dtype)
         hf_config["dtype"] = str(dtypes.pop()).removeprefix("torch.")
     (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_safetensors(hf_sd, tmp)
-    tokenizer = _tokenizer_file(job)
-    if tokenizer is not None:
-        shutil.copyfile(tokenizer, tmp / "tokenizer.json")
-        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-            if (tokenizer.parent / extra).is_file():
-                shutil.copyfile(tokenizer.parent / extra, tmp / extra)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    _write_side_files(tmp, job, tokens)
+    _plain_modes(tmp)
+    try:
+        return publish_dir(tmp, out, "full")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # left only if publishing refused
 
 
-def export_checkpoint(path: str | Path, out: str | Path, pm: TitanPluginManager | None = None) -> Path:
-    """``titan-export``: a run directory or one of its DCP checkpoints to ``out``."""
+def export_checkpoint(path: str | Path, out: str | Path, pm: TitanPluginManager | None = None, *,
+                      overwrite: bool = False) -> Path:
+    """``titan-export``: a run directory or one of its DCP checkpoints to ``out``
+    (``overwrite``: replace an earlier full export there; nothing else is replaced)."""
     from omegaconf import OmegaConf
 
     from titan_plugins.config.hydra_glue import model_config
     from titan_plugins.plugins import get_plugin_manager
 
     run_dir, checkpoint = find_checkpoint(path)
+    claim_out_dir(out, "full", overwrite=overwrite,
+                  protect={"the run directory": run_dir, "the checkpoint": checkpoint})
     job = OmegaConf.load(run_dir / "config.yaml")
     pm = pm or get_plugin_manager()
     spec = pm.get_model(job.model.name)
@@ -159,16 +334,31 @@ def export_checkpoint(path: str | Path, out: str | Path, pm: TitanPluginManager 
 
 def export_run(trainer: Any, out: str | Path | None = None) -> Path | None:
     """``checkpoint.export_hf=true``: gather the trained weights to rank 0 and write
-    ``<run_dir>/hf`` there; every rank returns after rank 0 has written."""
+    ``<run_dir>/hf`` there (a LoRA run: merged, and its PEFT adapter in
+    ``<run_dir>/hf-adapter``); every rank returns after rank 0 has written."""
     import torch.distributed as dist
 
     from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.peft.lora import lora_enabled
     from titan_plugins.train.checkpoint import full_model_state_dict
 
     sd = full_model_state_dict(trainer.model.parts, trainer.pp_group)
     written = None
+    failed: ConfigError | None = None
     if trainer.rank == 0 and sd is not None:
         config = model_config(trainer.job.model, trainer.spec)
-        written = export_folder(trainer.spec, config, trainer.job, sd, out or Path(trainer.run_dir) / "hf")
+        out = out or Path(trainer.run_dir) / "hf"  # the run's own: an earlier export of it is replaced
+        try:  # an export refused (it would not be the trained model) fails the run after the barrier
+            if lora_enabled(trainer.job):  # merged to out, the PEFT adapter to <out>-adapter
+                from titan_plugins.peft.export import export_lora_live
+
+                written = export_lora_live(trainer.spec, config, trainer.job, sd, out, trainer.run_dir)
+            else:
+                claim_out_dir(out, "full", overwrite=True, protect={"the run directory": trainer.run_dir})
+                written = export_folder(trainer.spec, config, trainer.job, sd, out)
+        except ConfigError as exc:
+            failed = exc
     dist.barrier()
+    if failed is not None:
+        raise ConfigError(f"checkpoint.export_hf=true: {failed}")
     return written

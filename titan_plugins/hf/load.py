@@ -1,22 +1,25 @@
 """Sharded load of a Hugging Face folder into a (parallelized) model.
 
-For every entry of a rank's model state dict (DTensors under FSDP/TP/EP, only the
-stage's modules under PP) the adapter's ``to_hf`` on a meta tensor of the global
-shape names the Hugging Face tensors it comes from. The rank then reads, with
-safetensors' ``get_slice``, only the rows/columns of its own shard:
+Every rank fills the entries of its own model state dict (DTensors under
+FSDP/TP/EP, only the stage's modules under PP), reading with safetensors'
+``get_slice`` only what its shards need.
 
-- a rename (one Hugging Face tensor of the same shape): the shard's slice;
-- stacked experts (``n`` tensors of shape ``shape[1:]``): only the rank's experts,
-  each sliced in the remaining dimensions;
-- split on the Hugging Face side: the parameter's Hugging Face tensors whole,
-  through ``from_hf``, then the shard is cut out (one parameter at a time);
-- fused on the Hugging Face side (``to_hf`` of the entry alone raises or names
-  nothing): the part's remaining Hugging Face tensors, one layer at a time,
-  through ``from_hf``, then the shards are cut out. Never the whole model.
+An adapter with a declared mapping (``adapter.mapping``, a
+:class:`titan_plugins.hf.mapping.HFMapping`) says per entry where it comes from,
+and the read plan follows from that declaration alone:
 
-The first two are recognised from ``to_hf`` on a meta tensor: a rename hands the
-tensor itself on, a stack hands on ``t[e]`` views; anything else (a transpose, a
-permutation, a copy) takes the whole-tensor paths, which are always right.
+- a rename (also through a transpose): only the shard's slice;
+- stacked experts: only the rank's experts, each sliced in the remaining dimensions;
+- a part of a fused Hugging Face tensor (fused q/k/v, gate/up): only the shard's
+  slice of that part; a split (ours fused): the slices of the parts it overlaps;
+- a transform no slice expresses (the rotary q/k row permutation): that one tensor
+  whole, then the shard is cut out.
+
+Hand-written adapters (``to_hf`` / ``from_hf`` only) are probed instead: ``to_hf`` on
+a meta tensor of the global shape names the Hugging Face tensors; a rename that
+hands the tensor itself on, or ``t[e]`` views (stacked experts), is read as slices;
+anything else is read whole for that one parameter (split) or one layer at a time
+through ``from_hf`` (fused), then cut. Never the whole model.
 
 Values are converted to the parameter's dtype (``precision.weight_dtype``).
 Entries with no Hugging Face counterpart (``expert_bias``, a tied output weight)
@@ -35,11 +38,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.hf.mapping import HFMapping
 
 if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["HFCheckpoint", "load_hf_weights"]
+__all__ = ["HFCheckpoint", "load_hf_weights", "load_report"]
 
 
 class HFCheckpoint:
@@ -153,6 +157,28 @@ def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> tuple[list[
     return names, sliced
 
 
+def _fill_declared(ckpt: HFCheckpoint, mapping: Any, config: Any, key: str, value: Any) -> tuple[list[str], bool] | None:
+    """Fill one entry as the declaration says: ``(names read, only slices)``, or
+    ``None`` when Hugging Face has no such tensor."""
+    try:
+        sources = mapping.sources(key, tuple(value.shape), config)
+    except KeyError as exc:
+        raise ConfigError(f"model.hf={ckpt.folder}: {str(exc).strip(chr(34) + chr(39))} "
+                          "(the plugin's declared Hugging Face mapping)") from None
+    if not sources:
+        return None
+    for name, want in sources.items():
+        if tuple(ckpt.shape(name)) != tuple(want):
+            raise ConfigError(f"model.hf={ckpt.folder}: {name} has shape {tuple(ckpt.shape(name))}, "
+                              f"the model's {key} {tuple(value.shape)} needs {tuple(want)}")
+    local, index = _local_slices(value)
+    if local.numel() == 0:
+        return list(sources), True
+    part, sliced = mapping.load(key, tuple(value.shape), index, ckpt, config)
+    _copy(ckpt, key, local, part)
+    return list(sources), sliced
+
+
 def _layer_of(name: str) -> str | None:
     match = re.search(r"\.(\d+)\.", name)
     return match.group(1) if match else None
@@ -182,24 +208,36 @@ def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], use
 
 
 @torch.no_grad()
-def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, folder: str | Path) -> dict[str, int]:
+def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, folder: str | Path,
+                    *, verbose: bool | None = None) -> dict[str, int]:
     """Fill every model part from ``folder``. Returns counts: ``loaded`` entries,
     ``sliced`` (of those, read as the shard's slices only) and ``kept`` (left at
-    their initial values: Hugging Face has no such tensor)."""
+    their initial values: Hugging Face has no such tensor). ``verbose`` (default: on
+    rank 0 of a process group) prints :func:`load_report`'s lines."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from titan_plugins.peft.lora import is_adapter_key
 
     adapter_cls = spec.load("state_dict_adapter")
     # TorchTitan's adapter signature: an adapter taking hf_assets_path learns the folder (its layout)
     takes_folder = "hf_assets_path" in inspect.signature(adapter_cls).parameters
     adapter = adapter_cls(config, hf_assets_path=str(folder)) if takes_folder else adapter_cls(config)
+    mapping = getattr(adapter, "mapping", None)
+    declared = isinstance(mapping, HFMapping)
     loaded = kept = sliced = 0
+    kept_names: list[str] = []
     with HFCheckpoint(folder) as ckpt:
         for part in parts:
             pending: dict[str, Any] = {}
             used: set[str] = set()
             for key, value in get_model_state_dict(part).items():
-                done = _fill(ckpt, adapter, key, value)
-                if done is None:
+                if is_adapter_key(key):  # LoRA adapters: not in a base model's folder
+                    continue
+                done = _fill_declared(ckpt, mapping, config, key, value) if declared \
+                    else _fill(ckpt, adapter, key, value)
+                if done is None and declared:
+                    kept, kept_names = kept + 1, [*kept_names, key]
+                elif done is None:
                     pending[key] = value
                 else:
                     used.update(done[0])
@@ -207,4 +245,30 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
             if pending:
                 filled = _fill_grouped(ckpt, adapter, pending, used)
                 loaded, kept = loaded + filled, kept + len(pending)
-    return {"loaded": loaded, "sliced": sliced, "kept": kept}
+                kept_names += sorted(pending)
+    counts = {"loaded": loaded, "sliced": sliced, "kept": kept}
+    if verbose is None:
+        import torch.distributed as dist
+
+        verbose = dist.is_initialized() and dist.get_rank() == 0
+    if verbose:
+        for line in load_report(counts, kept_names, parts, folder):
+            print(line, flush=True)
+    return counts
+
+
+def load_report(counts: dict[str, int], kept: list[str], parts: list[torch.nn.Module],
+                folder: str | Path) -> list[str]:
+    """What a load did, in a line or two: how many entries came from the folder (read
+    as shard slices), which kept their initial values, and whether the MoE router
+    trains a bias (load balancing) the folder's architecture has none of."""
+    lines = [f"model.hf: {counts['loaded']} tensors loaded from {folder} "
+             f"({counts['sliced']} read as this rank's slices only)"]
+    if kept:
+        more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
+        lines[0] += f"; kept at their initial values (not in the folder): {', '.join(kept[:3])}{more}"
+    balancing = [m.load_balance_coeff for part in parts for m in part.modules() if hasattr(m, "load_balance_coeff")]
+    if balancing and all(c is None for c in balancing):
+        lines.append("model.hf: the MoE router trains no bias (load balancing off: "
+                     "load_balance_coeff=null), as the folder's architecture has none")
+    return lines

@@ -122,6 +122,9 @@ class ConformanceSuite:
     def test_hf_round_trip(self, titan_session: c.Session | c.Target) -> None:
         _run(c.check_hf_round_trip, titan_session)
 
+    def test_hf_transformers(self, titan_session: c.Session | c.Target) -> None:
+        _run(c.check_hf_transformers, titan_session)
+
     def test_generation(self, titan_session: c.Session | c.Target) -> None:
         _run(c.check_generation, titan_session)
 

@@ -89,13 +89,11 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
             raise ConfigError(f"model {spec.name!r} does not support parallelism.{key}={getattr(dims, key)}")
     if dims.pp > 1 and spec.pipeline is None:
         raise ConfigError(f"model {spec.name!r} has no pipeline split information (parallelism.pp={dims.pp})")
-    for key in ("steps", "local_batch_size", "grad_accum_steps", "seq_len"):
-        if int(training[key]) < 1:
-            raise ConfigError(f"training.{key}={training[key]} must be at least 1")
-    config = model_config(job.model, spec)
-    from titan_plugins.train.prelaunch import check_job
+    from titan_plugins.train.prelaunch import check_job, check_ranges
 
-    check_job(job, config)  # optimizer ranges, seq_len vs the model, the data source
+    check_ranges(job)  # every numeric option's range, declared once in config/schema.py
+    config = model_config(job.model, spec)
+    check_job(job, config, pm.datasets())  # seq_len vs the model, the data source, model.hf, sinks
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)
@@ -109,10 +107,22 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
         from titan_plugins.train.lifecycle import build_meta_model
 
         build_meta_model(spec, job)  # raises if the model has no set_compute_dtype
+    from titan_plugins.peft.lora import lora_enabled
+
+    if lora_enabled(job):  # target patterns, float8, peft.init_from: before any rank starts
+        from titan_plugins.peft.export import adapter_shapes
+
+        adapter_shapes(spec, job)
+        folder = job.peft.init_from
+        if folder and not (Path(folder) / "adapter_config.json").is_file():
+            raise ConfigError(f"peft.init_from={folder}: no PEFT adapter there (missing adapter_config.json)")
     from titan_plugins.train.data.loader import find_dataset
 
     find_dataset(job.data.name, pm.datasets())
     _check_vocab(config, job.data)
+    from titan_plugins.train.special_tokens import check_attention_mask
+
+    check_attention_mask(config, job.data)
     from titan_plugins.train.validation import check_validation
 
     check_validation(job)
@@ -154,10 +164,20 @@ def prepare_job(
     return finish_job(cfg, pm, run_dir=run_dir)
 
 
+_NOTED: set[str] = set()
+
+
 def finish_job(cfg: DictConfig, pm: TitanPluginManager, *, run_dir: str | os.PathLike | None = None):
     from titan_plugins.config.hydra_glue import resolve_job
 
     spec, job = resolve_job(cfg, pm)
+    from titan_plugins.train.special_tokens import hand_document_mask, hand_special_tokens
+
+    note = hand_document_mask(spec, job, cfg.model)  # packed conversations: block-causal
+    if note and note not in _NOTED:  # the job is prepared more than once per launch
+        _NOTED.add(note)
+        print(note, flush=True)
+    hand_special_tokens(spec, job, cfg.model)  # eos_id from the tokenizer in use
     job = typed_job(job)
     if run_dir is not None:
         job.run_dir = str(Path(run_dir).resolve())
@@ -261,12 +281,19 @@ def run(
     write ``<run_dir>/config.yaml``, run the ranks in a subprocess (killed with its
     ranks after ``timeout`` seconds), and return what the run wrote."""
     from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.run_dir import child_env, owned
 
     run_dir = Path(run_dir).resolve()
     added = rank_env(extra_plugins, env)
     with _patched_env(added):
         pm = get_plugin_manager(strict=True)
         spec, job, dims = prepare_job(overrides, pm, run_dir=run_dir)
+    with owned(run_dir):  # claimed before config.yaml is written; the launcher child shares it
+        return _run_claimed(job, dims, run_dir, {**added, **child_env(run_dir)}, timeout, overrides)
+
+
+def _run_claimed(job: DictConfig, dims: Any, run_dir: Path, added: dict[str, str], timeout: float | None,
+                 overrides: Sequence[str]) -> RunResult:
     config_path = write_config(job, run_dir)
     from titan_plugins.failures import clear_error_file
 
@@ -292,4 +319,8 @@ def run(
         lines = [line for line in err.strip().splitlines() if line.strip()]
         result.error = lines[-1] if lines else f"exit code {code}"
     result.stdout, result.stderr = out, err
+    from titan_plugins.train.sweep import write_result
+
+    with contextlib.suppress(OSError):  # result.json, as titan-run writes it
+        write_result(run_dir, job="0", overrides=" ".join(overrides), returncode=code, error=result.error)
     return result

@@ -37,6 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_plugins.errors import ConfigError, TitanError
+from titan_plugins.peft.checkpoint import checkpoint_filter
+from titan_plugins.peft.lora import is_adapter_key
 from titan_plugins.train.optimizer import resync_lr
 
 if TYPE_CHECKING:
@@ -148,8 +150,9 @@ def load_model_weights(parts: list[torch.nn.Module], path: str | os.PathLike) ->
     path = Path(path)
     if not (path / ".metadata").is_file():
         raise ConfigError(f"checkpoint.init_from={path}: not a DCP checkpoint (no .metadata)")
-    sd = model_state_dict(parts)
     keys = _checkpoint_keys(path)
+    # LoRA adapters come from it only if it has them (a base checkpoint has none)
+    sd = {k: v for k, v in model_state_dict(parts).items() if f"model.{k}" in keys or not is_adapter_key(k)}
     missing = [k for k in sd if f"model.{k}" not in keys]
     if missing:
         raise ConfigError(f"checkpoint.init_from={path}: has no weights for {missing[0]} (and {len(missing) - 1} more)")
@@ -162,6 +165,8 @@ def load_model_weights(parts: list[torch.nn.Module], path: str | os.PathLike) ->
 def save_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
     """Write ``{"model": state_dict}`` with DCP (the seed checkpoint), atomically."""
     path = Path(path)
+    if path.exists() and not (path / ".metadata").is_file():  # replace only an earlier checkpoint
+        raise ConfigError(f"{path}: exists and is not a DCP checkpoint; not replaced (move it away)")
     tmp = path.with_name(path.name + ".tmp")
     if _rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
@@ -217,14 +222,18 @@ class Checkpointer:
         self.resume = bool(cfg.resume)
         self.save_final = bool(cfg.save_final)
         self.parts, self.optimizers, self.schedulers, self.dataloader = parts, optimizers, schedulers, dataloader
+        self.model_keys = checkpoint_filter(job)  # peft=lora: only the adapters (titan_plugins/peft)
 
     # ------------------------------------------------------------ state
     def _state(self, step: int) -> dict[str, Any]:
         optim: dict[str, Any] = {}
         for part, opt in zip(self.parts, self.optimizers):
             optim.update(get_optimizer_state_dict(part, opt, options=_FLAT))
+        model = model_state_dict(self.parts)
+        if self.model_keys is not None:
+            model = {k: v for k, v in model.items() if self.model_keys(k)}
         state: dict[str, Any] = {
-            "model": model_state_dict(self.parts),
+            "model": model,
             "optimizer": optim,
             # Every part's scheduler steps alike: one state serves any number of parts.
             "lr_scheduler": self.schedulers[0].state_dict(),

@@ -17,6 +17,13 @@ from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.float8 import convert_float8
 from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
+from titan_plugins.peft.lora import (
+    adapter_parameters,
+    apply_lora,
+    freeze_base,
+    init_adapters,
+    lora_enabled,
+)
 from titan_plugins.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -66,6 +73,21 @@ def build_meta_model(spec: ModelSpec, job: DictConfig) -> nn.Module:
     return model
 
 
+def apply_peft(model: nn.Module, spec: ModelSpec, job: DictConfig) -> list[str]:
+    """``peft=lora``: adapters on the matched ``nn.Linear`` modules, the rest frozen
+    (titan_plugins/peft); returns the adapted modules' names (none without LoRA)."""
+    if not lora_enabled(job):
+        return []
+    if job.precision.get("float8") is not None:
+        raise ConfigError(
+            f"peft.method=lora: not with precision.float8={getattr(job.precision.float8, 'value', job.precision.float8)} "
+            "(float8 linears would drop the adapters); choose precision=bf16_mixed or fp32"
+        )
+    info = spec.pipeline
+    edge = (info.first_stage_modules + info.last_stage_modules) if info else ("tok_embeddings", "norm", "output")
+    return apply_lora(model, job.peft, exclude=tuple(edge))
+
+
 def parallelized_parts(
     spec: ModelSpec, job: DictConfig, parallel_dims: ParallelDims, pm: TitanPluginManager
 ) -> list[tuple[int, nn.Module]]:
@@ -78,6 +100,7 @@ def parallelized_parts(
     implied = unsharded_compute_dtype(job.precision, parallel_dims)  # bf16_mixed on one rank
     if implied is not None and hasattr(model, "set_compute_dtype"):
         model.set_compute_dtype(implied)
+    apply_peft(model, spec, job)  # model transforms: after build, before PP split and parallelize
     if parallel_dims.pp_enabled:
         from titan_plugins.distributed import pipeline
 
@@ -98,6 +121,8 @@ def parallelized_parts(
         if pm is not None:
             hooked = pm.hook.titan_after_parallelize(model=part, parallel_dims=parallel_dims, job_config=job)
             part = hooked if isinstance(hooked, nn.Module) else part
+        if lora_enabled(job):
+            freeze_base(part)  # TP styles re-create replicated parameters as trainable
         out.append((stage, part))
     return out
 
@@ -125,10 +150,13 @@ def build_model_parts(
             torch.manual_seed(seed)
             with torch.no_grad():
                 part.init_weights(buffer_device=device)
+            init_adapters(part, seed)
         if weight_dtype != torch.float32:
             # Real floating tensors only: Module.to(dtype) would also turn a complex
-            # freqs_cis into a real tensor and drop its imaginary part.
-            part._apply(lambda t: t.to(weight_dtype) if t.is_floating_point() else t)
+            # freqs_cis into a real tensor and drop its imaginary part. LoRA adapters
+            # stay fp32 (master weights of what trains) under a bf16 frozen base.
+            keep = {id(p) for p in adapter_parameters(part)}
+            part._apply(lambda t, keep=keep: t.to(weight_dtype) if t.is_floating_point() and id(t) not in keep else t)
         part.train()
 
     out = ModelParts(parts=parts)

@@ -131,6 +131,7 @@ class RunStats:
     peak_memory_gib: float = 0.0
     step_times: list[float] = field(default_factory=list)
     validation: tuple[int, float] | None = None  # (step, loss) of the last validation
+    data_counts: str | None = None  # what the data source counted (chat: truncated, dropped, ...)
 
     def update(self, step: int, metrics: dict[str, float], now: float, total_steps: int) -> float:
         """Record one step; return the ETA in seconds."""
@@ -162,6 +163,8 @@ def summary_lines(stats: RunStats, now: float, *, memory_kind: str, checkpoint: 
         rows.append(("loss", f"final {stats.final_loss:.4f}, best {stats.best_loss:.4f} at step {stats.best_step}"))
     if stats.validation is not None:
         rows.append(("validation", f"loss {stats.validation[1]:.4f} at step {stats.validation[0]}"))
+    if stats.data_counts:
+        rows.append(("data", stats.data_counts))
     if stats.step_seconds > 0:
         rows.append(("throughput", f"{stats.tokens / stats.step_seconds:,.0f} tokens/s, all ranks "
                                    f"({format_count(stats.tokens)} tokens in {format_duration(stats.step_seconds)} of steps)"))

@@ -1,8 +1,9 @@
 """Per-job result files and the multirun summary table.
 
-Each job writes ``<job dir>/result.json``; after a sweep the table is built from
-those files in the sweep directory, so it works with any Hydra launcher
-(basic, joblib, submitit) as long as the sweep directory is shared.
+Every run writes ``<run dir>/result.json`` (titan-run, ``train.api.run``, rank 0 under
+``srun``/torchrun), with which launcher and Slurm job/step it ran under; after a sweep
+the table is built from those files in the sweep directory, so it works with any Hydra
+launcher (basic, joblib, submitit) as long as the sweep directory is shared.
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from hydra.experimental.callback import Callback
 __all__ = ["SummaryCallback", "format_table", "read_results", "write_result"]
 
 FAILED_JOBS: list[str] = []  # filled by SummaryCallback in the launching process
+SWEEP: dict[str, Any] = {}  # the running sweep's directory, and whether its summary was printed
+NO_RESULT = "no result.json: the job ended before writing one (killed, timed out or cancelled?)"
 
 
 def write_result(run_dir: str | os.PathLike, *, job: str, overrides: str, returncode: int,
                  error: str | None = None) -> dict[str, Any]:
+    from titan_plugins.distributed.external import launch_info
     from titan_plugins.train.api import read_result
 
     res = read_result(run_dir, returncode, error)
@@ -33,18 +37,30 @@ def write_result(run_dir: str | os.PathLike, *, job: str, overrides: str, return
         "returncode": returncode,
         "error": res.error,
         "steps": len(res.steps),
+        "launch": launch_info(),  # titan-run / torchrun / slurm, and the Slurm job and step
     }
-    Path(run_dir, "result.json").write_text(json.dumps(record) + "\n")
+    path = Path(run_dir, "result.json")
+    tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
     return record
 
 
 def read_results(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """One record per job directory (``<num>_...``): its ``result.json``, or a failure
+    when it has none (a job Slurm killed before its task could write one)."""
     results = []
-    for path in Path(sweep_dir).glob("*/result.json"):
+    for folder in Path(sweep_dir).iterdir() if Path(sweep_dir).is_dir() else ():
+        if not folder.is_dir() or folder.name.startswith("."):
+            continue
+        path = folder / "result.json"
         try:
             results.append(json.loads(path.read_text()))
+        except FileNotFoundError:
+            job = folder.name.split("_", 1)[0]
+            results.append({"job": job, "overrides": "", "status": "failed", "error": NO_RESULT})
         except (OSError, ValueError):
-            results.append({"job": path.parent.name, "overrides": "", "status": "unreadable"})
+            results.append({"job": folder.name, "overrides": "", "status": "unreadable"})
     return sorted(results, key=lambda r: (len(str(r.get("job"))), str(r.get("job"))))
 
 
@@ -76,12 +92,23 @@ def format_table(results: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def print_summary(sweep_dir: str | os.PathLike) -> None:
+    """The sweep's line (jobs, failed) and table, from the job directories' files."""
+    results = read_results(sweep_dir)
+    FAILED_JOBS[:] = [str(r.get("job")) for r in results if r.get("status") != "ok"]
+    print(f"\nsweep {sweep_dir}: {len(results)} jobs, {len(FAILED_JOBS)} failed", flush=True)
+    print(format_table(results), flush=True)
+    SWEEP["printed"] = True
+
+
 class SummaryCallback(Callback):
-    """Prints the summary table once every job of a multirun has finished."""
+    """Prints the summary table once every job of a multirun has finished (and remembers
+    the sweep directory, so that a launcher that gives up on a job, as submitit does on a
+    job Slurm killed, still ends with the summary)."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        SWEEP.clear()
+        SWEEP["dir"] = str(config.hydra.sweep.dir)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
-        sweep_dir = config.hydra.sweep.dir
-        results = read_results(sweep_dir)
-        FAILED_JOBS[:] = [str(r.get("job")) for r in results if r.get("status") != "ok"]
-        print(f"\nsweep {sweep_dir}: {len(results)} jobs, {len(FAILED_JOBS)} failed", flush=True)
-        print(format_table(results), flush=True)
+        print_summary(config.hydra.sweep.dir)

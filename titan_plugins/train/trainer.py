@@ -21,6 +21,7 @@ from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.clip_grad import clip_grad_norm_
 from titan_plugins.distributed.parallel_dims import ParallelDims, default_device_and_backend
 from titan_plugins.distributed.pipeline import stage_inputs
+from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
 from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
 from titan_plugins.train.lifecycle import ModelParts, build_model_parts
@@ -92,6 +93,10 @@ class Trainer:
             from titan_plugins.hf.load import load_hf_weights
 
             load_hf_weights(self.model.parts, spec, model_config(job.model, spec), job.model.hf)
+        if job.get("peft") is not None and job.peft.get("init_from"):  # a PEFT adapter to continue
+            from titan_plugins.peft.checkpoint import load_adapter_folder
+
+            load_adapter_folder(self.model.parts, spec, model_config(job.model, spec), job)
 
         self.optimizers = [build_optimizer(part, job.training) for part in self.model.parts]
         self.schedulers = [build_lr_scheduler(opt, job.training) for opt in self.optimizers]
@@ -144,37 +149,57 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
-        """One optimizer step; returns (global loss, grad norm, global tokens)."""
+        """One optimizer step; returns (global loss, grad norm, global tokens).
+
+        The loss is the sum of the token losses whose label is not ``IGNORE_INDEX`` over
+        the whole global batch (every DP rank, every microbatch), divided by the number
+        of such tokens: the same at any layout. A batch may carry ``doc_ids`` (packed
+        conversations): the forward runs under ``documents(doc_ids)``."""
         from torch.distributed.tensor import DTensor
 
-        tokens = sum(count_tokens(labels) for _, labels in batches).to(torch.float64)
+        from titan_plugins.components.attention_masks import documents
+
+        tokens = sum(count_tokens(batch[1]) for batch in batches).to(torch.float64)
         if self.dp_group is not None:
             tokens = tokens.to(self.device)
             dist.all_reduce(tokens, group=self.dp_group)
         global_tokens = float(tokens.item())
+        if global_tokens == 0:  # every rank sees the same sum: all stop together
+            raise ConfigError(
+                f"data.name={self.job.data.name}: a global batch has no trainable token (every label "
+                "is masked): the loss would be 0/0; check data.chat.train_on and the data"
+            )
         self.loss_fn.global_tokens = global_tokens
 
         def local(x: torch.Tensor) -> torch.Tensor:
             return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
 
         loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for inputs, labels in batches:
-            inputs, labels = inputs.to(self.device), labels.to(self.device)
-            if self.model.pp:
-                losses: list[torch.Tensor] = []
-                extra = stage_inputs(self.model.parts[0], self.spec.pipeline, inputs)
-                with self._loss_context():
-                    if self.model.has_first:
-                        self.model.schedule.step(inputs, target=labels, losses=losses, **extra)
-                    else:
-                        self.model.schedule.step(target=labels, losses=losses, **extra)
-                for mb_loss in losses:
-                    loss_sum += local(mb_loss).float()
-            else:
-                with self._loss_context():
-                    loss = self.loss_fn(self.model.parts[0](inputs), labels)
-                    loss.backward()
-                loss_sum += local(loss).float()
+        for batch in batches:
+            inputs, labels = batch[0].to(self.device), batch[1].to(self.device)
+            doc_ids = getattr(batch, "doc_ids", None)
+            with documents(None if doc_ids is None else doc_ids.to(self.device)) as docs:
+                if self.model.pp:
+                    losses: list[torch.Tensor] = []
+                    extra = stage_inputs(self.model.parts[0], self.spec.pipeline, inputs)
+                    with self._loss_context():
+                        if self.model.has_first:
+                            self.model.schedule.step(inputs, target=labels, losses=losses, **extra)
+                        else:
+                            self.model.schedule.step(target=labels, losses=losses, **extra)
+                    for mb_loss in losses:
+                        loss_sum += local(mb_loss).float()
+                else:
+                    with self._loss_context():
+                        loss = self.loss_fn(self.model.parts[0](inputs), labels)
+                        loss.backward()
+                    loss_sum += local(loss).float()
+            if docs is not None and not docs.used:
+                raise ConfigError(
+                    f"data.name={self.job.data.name} packs several documents per row, but the model "
+                    "ignored their document ids (they would attend to each other): set "
+                    "model.attn_mask=block_causal where the model has it, or data.chat.pack=false"
+                )
 
         grad_norm = clip_grad_norm_(
             self.model.parameters(), float(self.job.training.max_norm), pp_group=self.pp_group
@@ -191,6 +216,18 @@ class Trainer:
         if self.pp_group is not None:
             dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage holds a loss
         return float(loss_sum.item()), float(grad_norm.item()), global_tokens
+
+    def data_counts(self) -> str | None:
+        """What the training source counted (chat: conversations truncated, dropped, skipped),
+        summed over the data-parallel ranks (a collective: every rank calls it)."""
+        stats = self.dataloader.stats() if hasattr(self.dataloader, "stats") else {}
+        if not stats:
+            return None
+        keys = sorted(stats)
+        counts = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=self.device)
+        if self.dp_group is not None:
+            dist.all_reduce(counts, group=self.dp_group)
+        return ", ".join(f"{k.replace('_', ' ')} {int(v)}" for k, v in zip(keys, counts.tolist()))
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict[str, float]:
@@ -210,6 +247,7 @@ class Trainer:
             raise
         profiler.close(step)
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
+        report.stats.data_counts = self.data_counts()
         report.finish()
         if job.training.dump_final_params:
             self.dump_final_params()
@@ -228,10 +266,12 @@ class Trainer:
             t0 = time.perf_counter()
             lr = float(self.schedulers[0].get_last_lr()[0])
             batches = [next(data) for _ in range(self.accum)]
-            loss, grad_norm, tokens = self.train_step(batches)
+            loss, grad_norm, _trained = self.train_step(batches)
             step += 1
             dt = time.perf_counter() - t0
-            tps = tokens / dt
+            # Throughput counts every position the model computed (padding and masked
+            # prompt tokens too, as FLOPs do), not only the tokens the loss counts.
+            tps = sum(b[0].numel() for b in batches) * self.dims.dp_size / dt
             tflops = self.flops_per_token * tps / self.world / 1e12
             metrics = {
                 "loss": loss,

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from titan_plugins.components.attention_masks import documents
 from titan_plugins.errors import ConfigError
 from titan_plugins.train.loss import count_tokens
 
@@ -29,7 +30,7 @@ __all__ = ["Validator", "validation_data_config"]
 
 # Sources that are one file or folder with no notion of a split: the held-out rows
 # need their own validation.path.
-_NO_SPLIT = ("text", "jsonl", "parquet", "mix")
+_NO_SPLIT = ("text", "jsonl", "parquet", "mix", "chat")
 
 
 def validation_data_config(job: DictConfig) -> Any:
@@ -61,6 +62,25 @@ def check_validation(job: DictConfig) -> None:
         if int(val[key]) < 1:
             raise ConfigError(f"validation.{key}={val[key]} must be at least 1")
     validation_data_config(job)
+
+
+@contextlib.contextmanager
+def _resharded(parts: list[torch.nn.Module]):
+    """Reshard every FSDP unit after the forward passes. FSDP2 keeps the units that do not
+    reshard after forward (the last block, the head, every unit under PP) unsharded until
+    their backward, which a forward-only pass never runs: the modules would keep the
+    unsharded parameters registered, not the sharded ones the optimizer holds, and the
+    next checkpoint's optimizer state could not name them (``KeyError`` in
+    ``get_optimizer_state_dict``)."""
+    try:
+        yield
+    finally:
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
 
 
 @contextlib.contextmanager
@@ -111,17 +131,19 @@ class Validator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
         tokens_sum = 0.0
         rows = iter(self._loader())
-        with _moe_counters_kept(model.parts):
+        with _moe_counters_kept(model.parts), _resharded(model.parts):
             for _ in range(self.steps):
-                inputs, labels = next(rows)
-                inputs, labels = inputs.to(t.device), labels.to(t.device)
+                batch = next(rows)
+                inputs, labels = batch[0].to(t.device), batch[1].to(t.device)
+                doc_ids = getattr(batch, "doc_ids", None)  # packed conversations
+                docs = documents(None if doc_ids is None else doc_ids.to(t.device))
                 tokens = count_tokens(labels).to(torch.float64).to(t.device)
                 if t.dp_group is not None:
                     dist.all_reduce(tokens, group=t.dp_group)
                 loss_fn.global_tokens = float(tokens.item())
                 tokens_sum += loss_fn.global_tokens
                 batch_loss = torch.zeros((), dtype=torch.float64, device=t.device)
-                with t._loss_context():
+                with t._loss_context(), docs:
                     if model.pp:
                         from titan_plugins.distributed.pipeline import stage_inputs
 

@@ -6,147 +6,76 @@ separate ``wq``/``wk``/``wv`` (a fused projection shards badly under column-wise
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from titan_gpt2.config import GPT2Config
-from titan_plugins.errors import ConfigError
+from titan_plugins.hf.config import Field, HFConfigMap
+from titan_plugins.hf.mapping import Fuse, HFMapping, MappedAdapter, Rename, Transpose
 
-__all__ = ["GPT2StateDictAdapter", "config_from_hf", "config_to_hf"]
+__all__ = ["MAPPING", "GPT2StateDictAdapter", "config_from_hf", "config_to_hf"]
 
 _ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
-_NO_EFFECT = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache", "initializer_range",
-    "bos_token_id", "eos_token_id", "pad_token_id",
+MAP = HFConfigMap(
+    "gpt2",
+    fields=[Field("n_embd", "dim"), Field("n_layer", "n_layers"), Field("n_head", "n_heads"),
+            Field("vocab_size", "vocab_size"), Field("n_positions", "max_seq_len"),
+            Field("layer_norm_epsilon", "norm_eps", float)],
+    fixed={"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+           "reorder_and_upcast_attn": False, "add_cross_attention": False, "tie_word_embeddings": False,
+           "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
     # sequence-classification head settings: GPT2LMHeadModel has no such head
-    "summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels", "summary_first_dropout",
-}
-_FIXED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
-          "add_cross_attention": False, "tie_word_embeddings": False,
-          "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-
-
-def _bad(field: str, value: Any, why: str) -> ConfigError:
-    return ConfigError(f"config.json: {field}={value!r}: {why}")
+    no_effect={"summary_type", "summary_use_proj", "summary_activation", "summary_proj_to_labels",
+               "summary_first_dropout"},
+)
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("model_type") != "gpt2":
-        raise _bad("model_type", hf.get("model_type"), "the gpt2 example reads gpt2 folders only")
-    for field, value in _FIXED.items():
-        if field in hf and hf[field] != value:
-            why = {"tie_word_embeddings": "this model's output projection is untied"}.get(
-                field, f"this model implements only {value!r} (no dropout, plain scaled attention)")
-            raise _bad(field, hf[field], why)
+        raise MAP.bad("model_type", hf.get("model_type"), "the gpt2 example reads gpt2 folders only")
+    if hf.get("tie_word_embeddings"):
+        raise MAP.bad("tie_word_embeddings", True, "this model's output projection is untied")
+    out, used = MAP.read(hf)
     act = hf.get("activation_function", "gelu_new")
     if act not in _ACT:
-        raise _bad("activation_function", act, f"this model implements {', '.join(_ACT)}")
-    mapping = {"n_embd": "dim", "n_layer": "n_layers", "n_head": "n_heads", "vocab_size": "vocab_size",
-               "n_positions": "max_seq_len", "layer_norm_epsilon": "norm_eps"}
-    out: dict[str, Any] = {ours: hf[k] for k, ours in mapping.items() if hf.get(k) is not None}
+        raise MAP.bad("activation_function", act, f"this model implements {', '.join(_ACT)}")
     out["activation"] = _ACT[act]
     if hf.get("n_inner") is not None:
         dim = int(hf.get("n_embd", 768))
         if hf["n_inner"] % dim:
-            raise _bad("n_inner", hf["n_inner"], f"must be a multiple of n_embd={dim} (model.mlp_ratio)")
+            raise MAP.bad("n_inner", hf["n_inner"], f"must be a multiple of n_embd={dim} (model.mlp_ratio)")
         out["mlp_ratio"] = hf["n_inner"] // dim
-    unknown = sorted(set(hf) - set(mapping) - _NO_EFFECT - set(_FIXED) - {"activation_function", "n_inner"})
-    if unknown:
-        raise _bad(unknown[0], hf[unknown[0]], "not understood by the gpt2 example (it would be dropped)")
-    return out
+    return MAP.finish(hf, used | {"activation_function", "n_inner"}, out)
 
 
 def config_to_hf(config: GPT2Config) -> dict[str, Any]:
     c = config
     return {
-        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2",
-        "vocab_size": c.vocab_size, "n_positions": c.max_seq_len, "n_embd": c.dim, "n_layer": c.n_layers,
-        "n_head": c.n_heads, "n_inner": c.mlp_ratio * c.dim, "layer_norm_epsilon": c.norm_eps,
+        "architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", **MAP.write(c),
+        "n_inner": c.mlp_ratio * c.dim,
         "activation_function": "gelu_new" if c.activation.value == "gelu_tanh" else "gelu",
-        **_FIXED,
     }
 
 
-_PLAIN = {  # ours -> Hugging Face, same layout
-    "tok_embeddings.weight": "transformer.wte.weight",
-    "pos_embeddings.weight": "transformer.wpe.weight",
-    "norm.weight": "transformer.ln_f.weight",
-    "norm.bias": "transformer.ln_f.bias",
-    "output.weight": "lm_head.weight",
-    "attention_norm.weight": "ln_1.weight", "attention_norm.bias": "ln_1.bias",
-    "ffn_norm.weight": "ln_2.weight", "ffn_norm.bias": "ln_2.bias",
-    "attention.wo.bias": "attn.c_proj.bias",
-    "feed_forward.fc.bias": "mlp.c_fc.bias",
-    "feed_forward.proj.bias": "mlp.c_proj.bias",
-}
-_TRANSPOSED = {"attention.wo.weight": "attn.c_proj.weight", "feed_forward.fc.weight": "mlp.c_fc.weight",
-               "feed_forward.proj.weight": "mlp.c_proj.weight"}
-_QKV = ("attention.wq", "attention.wk", "attention.wv")
-_LAYER = re.compile(r"(layers\.|transformer\.h\.)(\d+)\.(.+)")
+_L, _HF = "layers.{L}.", "transformer.h.{L}."
+MAPPING = HFMapping(
+    Rename("tok_embeddings.weight", "transformer.wte.weight"),
+    Rename("pos_embeddings.weight", "transformer.wpe.weight"),
+    Rename("norm.weight", "transformer.ln_f.weight"),
+    Rename("norm.bias", "transformer.ln_f.bias"),
+    Rename("output.weight", "lm_head.weight"),
+    *(Rename(f"{_L}{ours}.{kind}", f"{_HF}{hf}.{kind}") for ours, hf in (("attention_norm", "ln_1"),
+      ("ffn_norm", "ln_2")) for kind in ("weight", "bias")),
+    *(Rename(f"{_L}{ours}.bias", f"{_HF}{hf}.bias") for ours, hf in (("attention.wo", "attn.c_proj"),
+      ("feed_forward.fc", "mlp.c_fc"), ("feed_forward.proj", "mlp.c_proj"))),
+    # Conv1D keeps [in, out]: the same weights transposed
+    *(Rename(f"{_L}{ours}.weight", f"{_HF}{hf}.weight", Transpose()) for ours, hf in (
+      ("attention.wo", "attn.c_proj"), ("feed_forward.fc", "mlp.c_fc"), ("feed_forward.proj", "mlp.c_proj"))),
+    # one c_attn for q, k and v: [in, 3 * out] (each transposed), biases [3 * out]
+    Fuse(_HF + "attn.c_attn.weight", [f"{_L}attention.{w}.weight" for w in ("wq", "wk", "wv")], dim=1,
+         transform=Transpose()),
+    Fuse(_HF + "attn.c_attn.bias", [f"{_L}attention.{w}.bias" for w in ("wq", "wk", "wv")], dim=0),
+)
 
 
-class GPT2StateDictAdapter:
-    def __init__(self, config: GPT2Config, hf_assets_path: str | None = None):
-        self.config = config
-
-    def to_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return dict(state_dict)
-
-    def from_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return dict(state_dict)
-
-    def to_hf(self, sd: dict[str, Any]) -> dict[str, Any]:
-        """Hugging Face names; q/k/v fused into ``c_attn`` (so all three are needed)."""
-        import torch
-
-        out: dict[str, Any] = {}
-        qkv: dict[tuple[str, str], dict[str, Any]] = {}
-        for key, value in sd.items():
-            m = _LAYER.fullmatch(key)
-            if m is None:
-                out[_PLAIN[key]] = value
-                continue
-            layer, rest = m.group(2), m.group(3)
-            prefix = f"transformer.h.{layer}."
-            proj, _, kind = rest.rpartition(".")
-            if proj in _QKV:
-                qkv.setdefault((layer, kind), {})[proj] = value
-            elif rest in _TRANSPOSED:
-                out[prefix + _TRANSPOSED[rest]] = value.t()
-            else:
-                out[prefix + _PLAIN[rest]] = value
-        for (layer, kind), parts in qkv.items():
-            if len(parts) != 3:
-                raise KeyError(f"layers.{layer}: c_attn.{kind} needs wq, wk and wv together")
-            tensors = [parts[p] for p in _QKV]
-            fused = torch.cat([t.t() for t in tensors], dim=1) if kind == "weight" else torch.cat(tensors)
-            out[f"transformer.h.{layer}.attn.c_attn.{kind}"] = fused
-        return out
-
-    def from_hf(self, hf: dict[str, Any]) -> dict[str, Any]:
-        plain = {v: k for k, v in _PLAIN.items()}
-        transposed = {v: k for k, v in _TRANSPOSED.items()}
-        out: dict[str, Any] = {}
-        for key, value in hf.items():
-            m = _LAYER.fullmatch(key)
-            if m is None:
-                if key not in plain:
-                    raise KeyError(f"unknown Hugging Face GPT-2 entry {key!r}")
-                out[plain[key]] = value
-                continue
-            layer, rest = m.group(2), m.group(3)
-            prefix = f"layers.{layer}."
-            if rest.startswith("attn.c_attn."):
-                kind = rest.rsplit(".", 1)[1]
-                chunks = value.chunk(3, dim=1 if kind == "weight" else 0)
-                for proj, chunk in zip(_QKV, chunks, strict=True):
-                    out[f"{prefix}{proj}.{kind}"] = chunk.t().contiguous() if kind == "weight" else chunk
-            elif rest in transposed:
-                out[prefix + transposed[rest]] = value.t().contiguous()
-            elif rest in plain:
-                out[prefix + plain[rest]] = value
-            else:
-                raise KeyError(f"unknown Hugging Face GPT-2 entry {key!r}")
-        return out
+class GPT2StateDictAdapter(MappedAdapter):
+    mapping = MAPPING

@@ -174,3 +174,43 @@ def test_sharded_load_matches_one_rank_load(workdir):
         assert result["read_whole"] == 0 and result["kept"] == 0, (par, result)  # only the rank's slices
         assert result["max_logits_diff"] <= 1e-5, (par, result)
     assert results[0]["local_experts"] == 4  # EP: half of the 8 experts on each rank
+
+
+@pytest.mark.slow  # a one-rank training run in a subprocess (about 25-40 s)
+def test_export_is_the_trained_model(tmp_path):
+    """Issue 26: 3 steps from a DeepSeek-V3 folder (grouped sigmoid routing, a trained
+    e_score_correction_bias, YaRN), both export routes; transformers on the export gives
+    the trained model's loss and greedy generation. The trained router bias is exported;
+    max_position_embeddings is the folder's (64), not training.seq_len (16)."""
+    from safetensors.torch import load_file
+
+    from titan_plugins.testing.hf_check import check_export_is_trained_model
+    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+
+    folder = tmp_path / "hf"
+    hf_folder(folder, vocab_size=2048)
+    (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    got = check_export_is_trained_model(
+        "deepseek_v3", folder, tmp_path, ["data.name=synthetic", "data.vocab_size=2048", "training.seq_len=16"])
+    assert got["config"]["max_position_embeddings"] == 64
+    key = "model.layers.1.mlp.gate.e_score_correction_bias"
+    start = load_file(str(folder / "model.safetensors"))[key]
+    exported = load_file(str(next((tmp_path / "exported").glob("*.safetensors"))))[key]
+    assert not torch.equal(start, exported)  # the bias trained (load balancing) and was exported
+    print(got["loss_diff"], got["logits_diff"], got["moved"])
+
+
+def test_yaml_seq_len_default_yields_to_the_folder(tmp_path):
+    """The model YAML's ``max_seq_len: ${training.seq_len}`` is a default: config.json's
+    max_position_embeddings wins over it, an explicit override wins over both."""
+    from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import prepare_job
+
+    hf_folder(tmp_path / "hf")
+    pm = get_plugin_manager()
+    for extra, want in (([], 64), (["model.max_seq_len=32"], 32)):
+        spec, job, _ = prepare_job(["model=deepseek_v3", f"model.hf={tmp_path / 'hf'}", *SYNTH, *extra], pm)
+        assert model_config(job.model, spec).max_seq_len == want, extra
+    spec, job, _ = prepare_job(["model=deepseek_v3", *SYNTH], pm)  # no folder: TorchTitan's rule
+    assert model_config(job.model, spec).max_seq_len == 16

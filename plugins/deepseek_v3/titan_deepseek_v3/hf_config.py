@@ -1,9 +1,11 @@
 """DeepSeek-V3 ``config.json`` <-> ``DeepSeekV3Config`` (transformers 5.x names; the
 original remote-code names where they differ).
 
-Torch-free. Every config.json field is either mapped, known to have no effect on the
-weights or the forward pass (``_NO_EFFECT``), or checked to hold the one value this
-model implements (``_FIXED``); anything else is a ``ConfigError`` naming the field.
+Torch-free. Declared with the core's ``HFConfigMap`` (``MAP``): every config.json field
+is either mapped, known to have no effect on the weights or the forward pass
+(``no_effect``), or checked to hold the one value this model implements (``fixed``);
+RoPE, expert groups and norms are mapped by hand; anything else is a ``ConfigError``
+naming the field.
 The facts follow transformers' ``modeling_deepseek_v3.py``: sigmoid router scores
 plus ``e_score_correction_bias`` (our ``moe.expert_bias``) for the choice, grouped
 top-k (top-2 sums per group), ``norm_topk_prob``, ``routed_scaling_factor``,
@@ -19,34 +21,15 @@ from typing import Any
 
 from titan_deepseek_v3.config import DeepSeekV3Config, RopeScaling
 from titan_plugins.errors import ConfigError
+from titan_plugins.hf.config import Field, HFConfigMap
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
 HF_LATENT_EPS = 1e-6  # DeepseekV3RMSNorm's default, used by q_a_layernorm and kv_a_layernorm
+# remote-code names of what transformers hard-codes: checked on read, never written
+_REMOTE_FIXED = {"output_router_logits": False, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                 "moe_layer_freq": 1}
 
-# Bookkeeping, generation, initialisation or training-only settings: nothing the
-# loaded model computes.
-_NO_EFFECT = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache", "initializer_range",
-    "pad_token_id", "bos_token_id", "eos_token_id", "pretraining_tp", "auto_map", "ep_size",
-    # the multi-token-prediction layers sit past num_hidden_layers; from_hf skips them
-    "num_nextn_predict_layers", "num_mtp_layers",
-    # sequence-wise aux loss of the original training code: transformers' forward ignores it
-    "aux_loss_alpha", "seq_aux",
-}
-# field -> the only value implemented (absent or null is fine too)
-_FIXED: dict[str, Any] = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "rope_interleave": True,
-    "output_router_logits": False,
-    "scoring_func": "sigmoid",  # remote-code names of what transformers hard-codes
-    "topk_method": "noaux_tc",
-    "moe_layer_freq": 1,
-}
 # transformers 5's DeepseekV3Config defaults: a field absent from config.json means these
 # (not the flavor's value), as it does for DeepseekV3ForCausalLM.
 _HF_DEFAULTS: dict[str, Any] = {
@@ -57,6 +40,29 @@ _HF_DEFAULTS: dict[str, Any] = {
     "first_k_dense_replace": 3, "norm_topk_prob": True, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
 }
+_A, _M = "layer.attention.", "layer.moe."
+MAP = HFConfigMap(
+    "deepseek_v3",
+    fields=[
+        Field("vocab_size", "vocab_size"), Field("hidden_size", "dim"), Field("num_hidden_layers", "n_layers"),
+        Field("first_k_dense_replace", "n_dense_layers"), Field("max_position_embeddings", "max_seq_len"),
+        Field("num_attention_heads", _A + "n_heads"), Field("kv_lora_rank", _A + "kv_lora_rank"),
+        Field("qk_nope_head_dim", _A + "qk_nope_head_dim"), Field("qk_rope_head_dim", _A + "qk_rope_head_dim"),
+        Field("v_head_dim", _A + "v_head_dim"), Field("intermediate_size", "layer.ffn.hidden_dim"),
+        Field("moe_intermediate_size", _M + "hidden_dim"), Field("n_routed_experts", _M + "num_experts"),
+        Field("n_shared_experts", _M + "num_shared_experts"), Field("num_experts_per_tok", _M + "top_k"),
+        Field("norm_topk_prob", _M + "route_norm", bool, bool),
+        Field("routed_scaling_factor", _M + "route_scale", float, float),
+    ],
+    fixed={"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "rope_interleave": True,
+           "tie_word_embeddings": False, **_REMOTE_FIXED},
+    no_effect={"pretraining_tp", "auto_map", "ep_size",
+               # the multi-token-prediction layers sit past num_hidden_layers; from_hf skips them
+               "num_nextn_predict_layers", "num_mtp_layers",
+               # sequence-wise aux loss of the original training code: transformers' forward ignores it
+               "aux_loss_alpha", "seq_aux"},
+    hf_defaults=_HF_DEFAULTS,
+)
 _ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
               "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
@@ -126,10 +132,6 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     model depends on: absent ones take transformers' defaults, as they would there)."""
     if hf.get("model_type") != "deepseek_v3":
         raise _bad("model_type", hf.get("model_type"), "the deepseek_v3 plugin reads deepseek_v3 only")
-    hf = {**_HF_DEFAULTS, **hf}
-    for field, value in _FIXED.items():
-        if hf.get(field) is not None and hf[field] != value:
-            raise _bad(field, hf[field], f"the deepseek_v3 plugin implements only {value!r}")
     if hf.get("tie_word_embeddings"):
         raise _bad("tie_word_embeddings", True, "the deepseek_v3 plugin has an untied lm_head only")
     if hf.get("quantization_config"):
@@ -141,55 +143,34 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     n_shared = hf.get("n_shared_experts")
     if n_shared is not None and n_shared < 1:
         raise _bad("n_shared_experts", n_shared, "the deepseek_v3 plugin needs at least one shared expert")
-    used = set(_NO_EFFECT) | set(_FIXED) | {"tie_word_embeddings", "quantization_config", "num_key_value_heads",
-                                             "rope_parameters", "rope_scaling", "rope_theta"}
-    top: dict[str, Any] = {}
-    attention: dict[str, Any] = {}
-    moe: dict[str, Any] = {"score_func": "sigmoid", "score_before_experts": False}
-    ffn: dict[str, Any] = {}
-    mapping = (  # config.json field -> (section, our field)
-        ("vocab_size", top, "vocab_size"), ("hidden_size", top, "dim"), ("num_hidden_layers", top, "n_layers"),
-        ("first_k_dense_replace", top, "n_dense_layers"), ("max_position_embeddings", top, "max_seq_len"),
-        ("num_attention_heads", attention, "n_heads"), ("kv_lora_rank", attention, "kv_lora_rank"),
-        ("qk_nope_head_dim", attention, "qk_nope_head_dim"), ("qk_rope_head_dim", attention, "qk_rope_head_dim"),
-        ("v_head_dim", attention, "v_head_dim"), ("intermediate_size", ffn, "hidden_dim"),
-        ("moe_intermediate_size", moe, "hidden_dim"), ("n_routed_experts", moe, "num_experts"),
-        ("n_shared_experts", moe, "num_shared_experts"), ("num_experts_per_tok", moe, "top_k"),
-    )
-    for field, section, ours in mapping:
-        used.add(field)
-        if hf.get(field) is not None:
-            section[ours] = _int(field, hf[field])
-    used.update({"q_lora_rank", "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor"})
-    attention["q_lora_rank"] = _int("q_lora_rank", hf["q_lora_rank"] or 0)  # null: one full-rank wq
+    out, used = MAP.read(hf)
+    hf = {**_HF_DEFAULTS, **hf}
+    used |= {"quantization_config", "num_key_value_heads", "rope_parameters", "rope_scaling", "rope_theta",
+             "q_lora_rank", "n_group", "topk_group", "head_dim", "qk_head_dim"}
+    layer = out.setdefault("layer", {})
+    layer.setdefault("attention", {})["q_lora_rank"] = _int("q_lora_rank", hf["q_lora_rank"] or 0)  # null: full-rank
+    moe = layer.setdefault("moe", {})
+    moe.update(score_func="sigmoid", score_before_experts=False)
     groups = hf.get("n_group") or 1
     if groups > 1:
         moe["num_expert_groups"] = _int("n_group", groups)
         moe["num_limited_groups"] = _int("topk_group", hf.get("topk_group") or 1)
     else:  # one group: transformers' group limit keeps everything
         moe["num_expert_groups"] = moe["num_limited_groups"] = None
-    moe["route_norm"] = bool(hf["norm_topk_prob"])
-    if hf.get("routed_scaling_factor") is not None:
-        moe["route_scale"] = float(hf["routed_scaling_factor"])
 
     # derived by transformers; they must agree with what they derive from
-    used.update({"head_dim", "qk_head_dim"})
     rope_dim, nope_dim = hf.get("qk_rope_head_dim"), hf.get("qk_nope_head_dim")
     for field, want in (("head_dim", rope_dim), ("qk_head_dim", None if rope_dim is None or nope_dim is None
                                                  else rope_dim + nope_dim)):
         if hf.get(field) is not None and want is not None and hf[field] != want:
             raise _bad(field, hf[field], f"transformers derives {want} from the head dims")
 
-    norm: dict[str, Any] = {"latent_eps": HF_LATENT_EPS}
+    layer["norm"] = {"latent_eps": HF_LATENT_EPS}
     used.add("rms_norm_eps")
     if hf.get("rms_norm_eps") is not None:
-        norm["eps"] = norm["final_eps"] = float(hf["rms_norm_eps"])
-    rope = _rope_from_hf(hf)
-
-    unknown = sorted(set(hf) - used)
-    if unknown:
-        raise _bad(unknown[0], hf[unknown[0]], "not understood by the deepseek_v3 plugin (it would be dropped)")
-    return {**top, "layer": {"attention": attention, "rope": rope, "norm": norm, "ffn": ffn, "moe": moe}}
+        layer["norm"]["eps"] = layer["norm"]["final_eps"] = float(hf["rms_norm_eps"])
+    layer["rope"] = _rope_from_hf(hf)
+    return MAP.finish(hf, used, out)
 
 
 def _not_hf(key: str, value: Any, why: str) -> ConfigError:
@@ -215,36 +196,17 @@ def config_to_hf(config: DeepSeekV3Config) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
-        "num_hidden_layers": c.n_layers,
-        "first_k_dense_replace": c.n_dense_layers,
-        "max_position_embeddings": c.max_seq_len,
-        "intermediate_size": layer.ffn.hidden_dim,
-        "num_attention_heads": att.n_heads,
+        **MAP.write(c),
         "num_key_value_heads": att.n_heads,
         "q_lora_rank": att.q_lora_rank or None,
-        "kv_lora_rank": att.kv_lora_rank,
-        "qk_nope_head_dim": att.qk_nope_head_dim,
-        "qk_rope_head_dim": att.qk_rope_head_dim,
-        "v_head_dim": att.v_head_dim,
-        "moe_intermediate_size": moe.hidden_dim,
-        "n_routed_experts": moe.num_experts,
-        "n_shared_experts": moe.num_shared_experts,
-        "num_experts_per_tok": moe.top_k,
         "n_group": moe.num_expert_groups or 1,
         "topk_group": moe.num_limited_groups or 1,
-        "norm_topk_prob": bool(moe.route_norm),
-        "routed_scaling_factor": float(moe.route_scale),
         "rms_norm_eps": norm.eps,
-        "tie_word_embeddings": False,
-        "rope_interleave": True,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
         "num_nextn_predict_layers": 0,
         "dtype": "float32",
     }
+    for field in _REMOTE_FIXED:
+        del hf[field]
     if not c.yarn_enabled:
         hf["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.theta}
         return hf

@@ -85,6 +85,9 @@ def test_logits_equal_transformers_and_export_loads_strictly(tmp_path, multimoda
     assert [cfg.is_moe_layer(i) for i in range(4)] == [False, True, False, True]
     assert (cfg.ffn_hidden_dim, cfg.moe_hidden_dim, cfg.kv_heads, cfg.fixed_attn_block_size) == (48, 24, 2, 5)
     assert counts["kept"] == 0 and counts["loaded"] == len(ours.state_dict())  # expert_bias: from_hf's zeros
+    # each entry read as slices only, also w1/w3 out of the transposed, fused gate_up_proj: the
+    # declared mapping (Fuse + Transpose) says where they are, not a probe of to_hf
+    assert counts["sliced"] == counts["loaded"], counts
     text_model = ref.language_model if multimodal else ref  # (transformers 5.24's multimodal forward
     with torch.no_grad():                                  # fails on text alone; its text model is this)
         want = text_model(TOKENS).logits
@@ -162,7 +165,8 @@ def test_published_scout_config_maps():
     ("field", "value"),
     [("hidden_act", "gelu"), ("attention_bias", True), ("tie_word_embeddings", True),
      ("quantization_config", {}), ("head_dim", 32), ("layer_types", ["chunked_attention"] * 6),
-     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})],
+     ("rope_parameters", {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}),
+     ("num_hidden_layers", 2.5)],  # was silently truncated to 2 before the shared HFConfigMap
 )
 def test_unhonourable_field_is_one_error(tmp_path, field, value):
     folder = tmp_path / "edited"
@@ -221,3 +225,41 @@ def test_sharded_load_matches_one_rank_load(tmp_path):
         assert result["sharded_entries"] > 0 and result["sliced"] > 0, (name, result)  # real shards, sliced reads
         assert result["kept"] == 0, (name, result)
         assert result["max_logits_diff"] <= 1e-5, (name, result)
+
+
+@pytest.mark.slow  # a one-rank training run in a subprocess (about 25-40 s)
+def test_export_is_the_trained_model(tmp_path):
+    """Issue 26: 3 steps from a Llama 4 folder (MoE every other layer, NoPE, chunked
+    attention), both export routes; transformers on the export gives the trained model's
+    loss and greedy generation. The folder's max_position_embeddings (131072, not the
+    flavor's 2048), its three EOS ids and BOS/PAD come back; no router bias trains
+    (Llama 4 has none); generation_config.json is written when the folder had none."""
+    from titan_plugins.testing.hf_check import check_export_is_trained_model
+    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+
+    folder, _ = hf_folder(tmp_path, vocab_size=2048, max_position_embeddings=131072)
+    (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    (folder / "generation_config.json").unlink()
+    source = json.loads((folder / "config.json").read_text())
+    source.update(bos_token_id=2046, eos_token_id=[2047, 5, 7], pad_token_id=0)
+    (folder / "config.json").write_text(json.dumps(source))
+    got = check_export_is_trained_model(
+        "llama4", folder, tmp_path, ["data.name=synthetic", "data.vocab_size=2048", "training.seq_len=16"])
+    config = got["config"]
+    assert config["max_position_embeddings"] == 131072 and config["eos_token_id"] == [2047, 5, 7]
+    tok_config = json.loads((tmp_path / "exported" / "tokenizer_config.json").read_text())
+    assert (tok_config["bos_token"], tok_config["eos_token"]) == ("<|bos|>", "<|eos|>")
+    print(got["loss_diff"], got["logits_diff"], got["moved"])
+
+
+def test_moe_from_folder_trains_no_router_bias(tmp_path):
+    from titan_llama4.state_dict_adapter import Llama4StateDictAdapter
+
+    folder, _ = hf_folder(tmp_path)
+    _, cfg, ours, _ = load_ours(folder)
+    assert cfg.moe.load_balance_coeff is None and not any("expert_bias" in k for k in ours.state_dict())
+    _, cfg, ours, _ = load_ours(folder, "model.moe.load_balance_coeff=0.001")
+    sd = ours.state_dict()
+    sd["layers.1.moe.expert_bias"] = torch.full_like(sd["layers.1.moe.expert_bias"], 0.01)
+    with pytest.raises(ConfigError, match="router bias .* Llama4ForCausalLM"):
+        Llama4StateDictAdapter(cfg).to_hf(sd)

@@ -81,7 +81,7 @@ class Llama4Config:
     attn_backend: AttentionBackend = AttentionBackend.auto
     # block_causal (TorchTitan's irope flavors): no attention across documents, each
     # ending at eos_id. 2047 is the shipped tokenizer's <|eos|> (the debug flavors'
-    # vocabulary); set it to your tokenizer's end-of-document id.
+    # vocabulary); at launch the tokenizer's EOS id replaces it unless set.
     attn_mask: AttentionMask = AttentionMask.causal
     eos_id: int = 2047
 

@@ -3,9 +3,10 @@
 Torch-free. Reads a ``Llama4TextConfig`` (``model_type`` ``llama4_text``) or the
 ``text_config`` of a multimodal ``Llama4Config`` (``llama4``; the vision tower is not
 loaded). A field absent from config.json means transformers' default, as it would for
-transformers. Every field is mapped, known to change nothing this model computes
-(``_NO_EFFECT``), or checked to hold the one value implemented; anything else is a
-``ConfigError`` naming the field.
+transformers. Declared with the core's ``HFConfigMap`` (``MAP``): every field is
+mapped, known to change nothing this model computes (``no_effect``), checked to hold
+the one value implemented (``fixed``), or mapped by hand (sizes, RoPE, NoPE and MoE
+layer placement); anything else is a ``ConfigError`` naming the field.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from titan_llama4.config import FLAVORS, Llama4Config
 from titan_plugins.components.moe.config import MoEConfig
 from titan_plugins.errors import ConfigError
+from titan_plugins.hf.config import Field, HFConfigMap
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -28,29 +30,28 @@ _HF_DEFAULTS: dict[str, Any] = {
     "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1, "rope_parameters": None,
 }
 _DEFAULT_THETA = 500000.0
-# Bookkeeping, generation or initialisation settings: nothing the loaded model computes.
-_NO_EFFECT = {
-    "architectures", "model_type", "transformers_version", "dtype", "torch_dtype", "_name_or_path",
-    "output_hidden_states", "output_attentions", "return_dict", "chunk_size_feed_forward",
-    "is_encoder_decoder", "id2label", "label2id", "problem_type", "use_cache", "initializer_range",
-    "pad_token_id", "bos_token_id",
-    "max_position_embeddings",  # no effect on default/llama3 RoPE; model.max_seq_len is the cache length
-    "router_aux_loss_coef",  # HF adds this loss only with output_router_logits (checked false)
-    "router_jitter_noise",  # HF's Llama 4 router never reads it
-    "for_llm_compressor",  # a quantisation tool's flag in Meta's published config.json
-    "_attn_implementation", "_attn_implementation_autoset",  # the kernel, not the function
-}
+MAP = HFConfigMap(
+    "llama4",
+    fields=[
+        Field("vocab_size", "vocab_size"), Field("hidden_size", "dim"), Field("num_hidden_layers", "n_layers"),
+        Field("num_attention_heads", "n_heads"), Field("rms_norm_eps", "norm_eps", float),
+        Field("use_qk_norm", "qk_norm", bool), Field("attn_temperature_tuning", "attn_temperature_tuning", bool),
+        Field("floor_scale", "floor_scale"), Field("attn_scale", "attn_scale", float),
+        Field("num_local_experts", "moe.num_experts"), Field("num_experts_per_tok", "moe.top_k"),
+    ],
+    fixed={"hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "output_router_logits": False,
+           "tie_word_embeddings": False},
+    no_effect={
+        "max_position_embeddings",  # no effect on default/llama3 RoPE; model.max_seq_len is the cache length
+        "router_aux_loss_coef",  # HF adds this loss only with output_router_logits (checked false)
+        "router_jitter_noise",  # HF's Llama 4 router never reads it
+        "for_llm_compressor",  # a quantisation tool's flag in Meta's published config.json
+    },
+    hf_defaults=_HF_DEFAULTS,
+)
 # The multimodal wrapper's own fields (the text model is text_config).
 _OUTER = {"text_config", "vision_config", "boi_token_index", "eoi_token_index", "image_token_index",
           "tie_word_embeddings"}
-# field -> the only value implemented
-_FIXED: dict[str, Any] = {
-    "hidden_act": "silu",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "output_router_logits": False,
-    "tie_word_embeddings": False,
-}
 # Hugging Face Llama 4 routing, in our MoE's terms: sigmoid of the top-k logits scales
 # the expert inputs; one shared expert of the routed experts' size; no normalisation.
 _ROUTING = {"num_shared_experts": 1, "score_func": "sigmoid", "route_norm": False, "route_scale": 1.0,
@@ -59,6 +60,11 @@ _ROUTING = {"num_shared_experts": 1, "score_func": "sigmoid", "route_norm": Fals
 # through these where one of them gives both (so the flavors map back to themselves).
 _SIZING = sorted({(f.multiple_of, f.ffn_dim_multiplier, f.auto_scale_hidden_dim) for f in FLAVORS.values()},
                  key=str)
+
+# Training settings no config.json field carries (Llama 4's router has no bias): a model
+# loaded from a folder trains without them unless set explicitly, and the export refuses a
+# bias they trained. The conformance kit's round trip skips them.
+HF_TRAINING_ONLY = ("moe.load_balance_coeff",)
 
 
 def _bad(field: str, value: Any, why: str) -> ConfigError:
@@ -72,7 +78,7 @@ def _text_config(hf: dict[str, Any]) -> tuple[dict[str, Any], str]:
         return hf, ""
     if model_type != "llama4":
         raise _bad("model_type", model_type, "the llama4 plugin reads llama4_text and llama4")
-    unknown = sorted(set(hf) - _OUTER - _NO_EFFECT)
+    unknown = sorted(set(hf) - _OUTER - MAP.no_effect)
     if unknown:
         raise _bad(unknown[0], hf[unknown[0]], "not understood by the llama4 plugin (it would be dropped)")
     if hf.get("tie_word_embeddings"):
@@ -124,32 +130,28 @@ def _rope(hf: dict[str, Any], name: str) -> dict[str, Any]:
 def config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
     """Values for ``Llama4Config`` from a Llama 4 config.json."""
     text, name = _text_config(hf_config)
-    hf = {**_HF_DEFAULTS, **text}
-    for field, value in _FIXED.items():
-        if field in hf and hf[field] != value:
-            raise _bad(name + field, hf[field], f"the llama4 plugin implements only {value!r}")
-    known = set(_HF_DEFAULTS) | _NO_EFFECT | set(_FIXED) | {"rope_theta", "rope_scaling"}
-    unknown = sorted(set(hf) - known)
-    if unknown:
-        raise _bad(name + unknown[0], hf[unknown[0]], "not understood by the llama4 plugin (it would be dropped)")
+    try:
+        out, used = MAP.read(text)
+        hf = {**_HF_DEFAULTS, **text}
+        MAP.finish(hf, used | {"num_key_value_heads", "head_dim", "eos_token_id", "intermediate_size",
+                               "intermediate_size_mlp", "moe_layers", "interleave_moe_layer_step",
+                               "no_rope_layers", "no_rope_layer_interval", "attention_chunk_size",
+                               "layer_types", "rope_parameters", "rope_theta", "rope_scaling"}, out)
+    except ConfigError as exc:  # name the field inside text_config
+        raise ConfigError(str(exc).replace("config.json: ", f"config.json: {name}", 1)) from None
 
-    n, dim, heads = int(hf["num_hidden_layers"]), int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    n, dim, heads = out["n_layers"], out["dim"], out["n_heads"]
     kv_heads = int(hf["num_key_value_heads"] or heads)
     if hf["head_dim"] is not None and int(hf["head_dim"]) * heads != dim:
         raise _bad(name + "head_dim", hf["head_dim"],
                    f"the llama4 plugin's head_dim is hidden_size / num_attention_heads = {dim // heads}")
     eos = hf["eos_token_id"]
     eos = eos[0] if isinstance(eos, list) and eos else eos
-    top_k = int(hf["num_experts_per_tok"])
-    out: dict[str, Any] = {
-        "dim": dim, "n_layers": n, "n_heads": heads, "n_kv_heads": None if kv_heads == heads else kv_heads,
-        "vocab_size": int(hf["vocab_size"]), "norm_eps": float(hf["rms_norm_eps"]),
-        "qk_norm": bool(hf["use_qk_norm"]), "attn_temperature_tuning": bool(hf["attn_temperature_tuning"]),
-        "floor_scale": int(hf["floor_scale"]), "attn_scale": float(hf["attn_scale"]),
-        "moe": {"num_experts": int(hf["num_local_experts"]), "top_k": top_k, **_ROUTING},
-        **_rope(hf, name),
-        **_sizes(dim, top_k, int(hf["intermediate_size_mlp"]), int(hf["intermediate_size"])),
-    }
+    top_k = out["moe"]["top_k"]
+    # Llama 4's router has no bias: train none (load balancing would add one)
+    out["moe"].update(_ROUTING, load_balance_coeff=None)
+    out.update(n_kv_heads=None if kv_heads == heads else kv_heads, **_rope(hf, name),
+               **_sizes(dim, top_k, int(hf["intermediate_size_mlp"]), int(hf["intermediate_size"])))
     if eos is not None:
         out["eos_id"] = int(eos)
 
@@ -197,32 +199,18 @@ def config_to_hf(config: Llama4Config) -> dict[str, Any]:
     return {
         "architectures": ["Llama4ForCausalLM"],
         "model_type": "llama4_text",
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.dim,
+        **MAP.write(c),
         "intermediate_size": c.moe_hidden_dim,
         "intermediate_size_mlp": c.ffn_hidden_dim,
-        "num_hidden_layers": c.n_layers,
-        "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.kv_heads,
         "head_dim": c.head_dim,
-        "hidden_act": "silu",
         "max_position_embeddings": c.max_seq_len,
-        "rms_norm_eps": c.norm_eps,
         "rope_parameters": _rope_to_hf(c),
-        "num_local_experts": c.moe.num_experts,
-        "num_experts_per_tok": c.moe.top_k,
         "interleave_moe_layer_step": c.interleave_moe_layer_step,
         "moe_layers": moe_layers,
         "no_rope_layers": [int(c.uses_rope(i)) for i in range(c.n_layers)],
         "attention_chunk_size": chunk,
         "layer_types": ["full_attention" if x is None else "chunked_attention" for x in chunks],
-        "use_qk_norm": c.qk_norm,
-        "attn_temperature_tuning": c.attn_temperature_tuning,
-        "floor_scale": c.floor_scale,
-        "attn_scale": c.attn_scale,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "tie_word_embeddings": False,
         "eos_token_id": c.eos_id,
         "dtype": "float32",
     }

@@ -228,3 +228,126 @@ def test_titan_run_rejects_bad_folder_before_launch(tmp_path, capsys):
         assert main(["model=qwen3", f"model.hf={path}", *SYNTH, "training.seq_len=16"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and why in err and err.startswith(f"error: model.hf={path}"), err
+
+
+def export_source(folder, vocab=2048):
+    """Make a saved random model folder a realistic source: the shipped tokenizer (its
+    <|bos|>/<|eos|> are ids 2046/2047), a chat template, and the special ids a real
+    config.json carries (several EOS ids, a PAD id)."""
+    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+
+    (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
+    (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    data = json.loads((folder / "config.json").read_text())
+    data.update(bos_token_id=vocab - 2, eos_token_id=[vocab - 1, 5, 7], pad_token_id=0)
+    (folder / "config.json").write_text(json.dumps(data))
+    gen = json.loads((folder / "generation_config.json").read_text())  # save_pretrained's, from before
+    gen.update({k: data[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    return data
+
+
+@pytest.mark.slow  # a one-rank training run in a subprocess (about 25-40 s)
+def test_moe_export_is_the_trained_model(tmp_path):
+    """Issue 26: 3 steps from a Qwen3-MoE folder, both export routes; transformers on the
+    export gives the trained model's loss and greedy generation; no router bias trains
+    (Qwen3-MoE has none); max_position_embeddings, the EOS list, BOS/PAD and the chat
+    template are the folder's."""
+    from titan_plugins.testing.hf_check import check_export_is_trained_model
+
+    folder, _ = hf_folder(tmp_path, "moe", vocab_size=2048, max_position_embeddings=4096)
+    source = export_source(folder)
+    got = check_export_is_trained_model(
+        "qwen3", folder, tmp_path, ["data.name=synthetic", "data.vocab_size=2048", "training.seq_len=16",
+                                    "model.attn_backend=sdpa"], hf_attn="sdpa")
+    config = got["config"]
+    assert config["max_position_embeddings"] == 4096 and config["eos_token_id"] == source["eos_token_id"]
+    assert config["model_type"] == "qwen3_moe"
+    for out in (tmp_path / "run" / "hf", tmp_path / "exported"):
+        tok_config = json.loads((out / "tokenizer_config.json").read_text())
+        assert tok_config["chat_template"] == (folder / "chat_template.jinja").read_text()
+        assert (out / "chat_template.jinja").is_file()
+    print(got["loss_diff"], got["logits_diff"], got["moved"])
+
+
+def test_moe_from_folder_trains_no_router_bias_unless_asked(tmp_path):
+    """The folder's architecture has no router bias: load balancing is off; set on
+    purpose, the trained bias makes the export refuse (never a silent difference)."""
+    from titan_qwen3.state_dict_adapter import Qwen3StateDictAdapter
+
+    folder, _ = hf_folder(tmp_path, "moe")
+    _, cfg, ours, _ = load_ours(folder)
+    assert cfg.moe.load_balance_coeff is None and "layers.0.moe.expert_bias" not in ours.state_dict()
+    _, cfg, ours, _ = load_ours(folder, "model.moe.load_balance_coeff=0.001")
+    assert cfg.moe.load_balance_coeff == 0.001
+    sd = ours.state_dict()
+    Qwen3StateDictAdapter(cfg).to_hf(sd)  # a zero bias exports (it changes nothing)
+    sd["layers.0.moe.expert_bias"] = torch.full_like(sd["layers.0.moe.expert_bias"], 0.01)
+    with pytest.raises(ConfigError, match="router bias .* Qwen3MoeForCausalLM"):
+        Qwen3StateDictAdapter(cfg).to_hf(sd)
+
+
+def test_fewer_layers_than_the_folder_is_an_error_unless_asked(tmp_path):
+    folder, _ = hf_folder(tmp_path, "dense")
+    with pytest.raises(ConfigError, match=r"model.n_layers=1: model.hf=.* has 2 layers.*hf_partial=true"):
+        load_ours(folder, "model.n_layers=1")
+    _, cfg, _, _ = load_ours(folder, "model.n_layers=1", "model.hf_partial=true")
+    assert cfg.n_layers == 1
+
+
+def test_hf_names_maps_each_entry():
+    """The public name map (used by adapter exports): stacked experts to one name each."""
+    from titan_qwen3.config import FLAVORS
+
+    from titan_plugins.hf.export import hf_names
+
+    spec = get_plugin_manager().get_model("qwen3")
+    cfg = FLAVORS["debugmodel_moe"]
+    shapes = {"layers.0.moe.experts.w1": (cfg.moe.num_experts, 8, cfg.dim), "layers.0.attention.wq.weight": (8, 8)}
+    names = hf_names(spec, cfg, shapes)
+    assert names["layers.0.attention.wq.weight"] == ["model.layers.0.self_attn.q_proj.weight"]
+    assert len(names["layers.0.moe.experts.w1"]) == cfg.moe.num_experts
+    assert "model.layers.0.mlp.experts.3.gate_proj.weight" in names["layers.0.moe.experts.w1"]
+
+
+def _remapped(mapping, hf_names: dict[str, str]):
+    """``mapping`` with our renamed entries ``ours -> hf`` read from other Hugging Face names."""
+    import copy
+
+    from titan_plugins.hf.mapping import Rename
+
+    out = copy.copy(mapping)
+    out.entries = tuple(Rename(e.ours[0].text, hf_names[e.ours[0].text]) if isinstance(e, Rename)
+                        and e.ours[0].text in hf_names else e for e in mapping.entries)
+    return out
+
+
+def test_declared_w1_w3_swap_is_caught_by_transformers_logits(tmp_path, monkeypatch):
+    """One declaration gives both directions, so a w1/w3 swap in it survives the round
+    trip and the name/shape check (same shapes); transformers' logits catch it."""
+    from safetensors import safe_open
+    from titan_qwen3.state_dict_adapter import MAPPING, Qwen3StateDictAdapter
+
+    folder, ref = hf_folder(tmp_path, "dense")
+    w1, w3 = "layers.{L}.feed_forward.w1.weight", "layers.{L}.feed_forward.w3.weight"
+    gate, up = "model.layers.{L}.mlp.gate_proj.weight", "model.layers.{L}.mlp.up_proj.weight"
+    swapped = _remapped(MAPPING, {w1: up, w3: gate})
+    monkeypatch.setattr(Qwen3StateDictAdapter, "mapping", swapped)
+    _, cfg, ours, counts = load_ours(folder, "model.attn_backend=sdpa")
+    sd = ours.state_dict()
+    adapter = Qwen3StateDictAdapter(cfg)
+    back = adapter.from_hf(adapter.to_hf(sd))  # the round trip cannot see it
+    assert sorted(back) == sorted(sd) and all(torch.equal(back[k], v) for k, v in sd.items())
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        hf_shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}
+    shapes = {k: v.shape for k, v in sd.items()}
+    assert swapped.check(hf_shapes, shapes, cfg) == [] == MAPPING.check(hf_shapes, shapes, cfg)
+    tokens = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        diff = (ours(tokens) - ref(tokens).logits).abs().max().item()
+    assert diff > 1e-2, diff  # the right declaration gives <= 1e-5 (test_logits_equal_transformers)
+    # a copy-paste slip (w3 read from gate_proj too) is caught by the declaration check alone
+    problems = _remapped(MAPPING, {w3: gate}).check(hf_shapes, shapes, cfg)
+    assert "model.layers.0.mlp.gate_proj.weight is mapped from both layers.0.feed_forward.w1.weight and " \
+           "layers.0.feed_forward.w3.weight" in problems
+    assert "model.layers.1.mlp.up_proj.weight is in the checkpoint but no entry of ours reads it" in problems

@@ -44,7 +44,7 @@ class Qwen3Config:
 
     attn_backend: AttentionBackend = AttentionBackend.auto
     attn_mask: AttentionMask = AttentionMask.causal
-    eos_id: int = 151645  # document separator for block_causal
+    eos_id: int = 151645  # block_causal separator; at launch the tokenizer's EOS id unless set
 
     # MoE: every layer is an MoE block when enabled (Qwen3-MoE has no dense layers).
     moe_enabled: bool = False

@@ -1,132 +1,59 @@
-"""State-dict names: TorchTitan (identical to ours) and Hugging Face Qwen3 / Qwen3-MoE.
+"""State-dict names: TorchTitan (identical to ours) and Hugging Face Qwen3 / Qwen3-MoE,
+declared once (``titan_plugins.hf.mapping``); both directions and the sharded load's
+read plan follow from ``MAPPING``.
 
-Our parameter names are TorchTitan v0.2.2's, so ``to_torchtitan`` / ``from_torchtitan``
-only drop what is not a checkpoint entry. Hugging Face keeps one tensor per expert
-(``mlp.experts.{e}.gate_proj``); TorchTitan stacks them (``moe.experts.w1`` is
-``[E, hidden, dim]``, the same row layout as ``gate_proj.weight`` per expert).
+Hugging Face keeps one tensor per expert (``mlp.experts.{e}.gate_proj``); TorchTitan
+stacks them (``moe.experts.w1`` is ``[E, hidden, dim]``, the same row layout as
+``gate_proj.weight`` per expert). Qwen3-MoE's router has no bias: a trained non-zero
+``expert_bias`` is refused on export, a zero one re-created on load when balancing is on.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 
-from titan_qwen3.config import Qwen3Config
+from titan_plugins.hf.config import refuse_dropped
+from titan_plugins.hf.mapping import Absent, HFMapping, MappedAdapter, Rename, Stack, Tied
 
-# ours (layer index as {}) -> Hugging Face
-_TO_HF: dict[str, str] = {
-    "tok_embeddings.weight": "model.embed_tokens.weight",
-    "norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-    "layers.{}.attention.wq.weight": "model.layers.{}.self_attn.q_proj.weight",
-    "layers.{}.attention.wk.weight": "model.layers.{}.self_attn.k_proj.weight",
-    "layers.{}.attention.wv.weight": "model.layers.{}.self_attn.v_proj.weight",
-    "layers.{}.attention.wo.weight": "model.layers.{}.self_attn.o_proj.weight",
-    "layers.{}.attention.q_norm.weight": "model.layers.{}.self_attn.q_norm.weight",
-    "layers.{}.attention.k_norm.weight": "model.layers.{}.self_attn.k_norm.weight",
-    "layers.{}.attention_norm.weight": "model.layers.{}.input_layernorm.weight",
-    "layers.{}.ffn_norm.weight": "model.layers.{}.post_attention_layernorm.weight",
-    "layers.{}.feed_forward.w1.weight": "model.layers.{}.mlp.gate_proj.weight",
-    "layers.{}.feed_forward.w3.weight": "model.layers.{}.mlp.up_proj.weight",
-    "layers.{}.feed_forward.w2.weight": "model.layers.{}.mlp.down_proj.weight",
-    "layers.{}.moe.router.gate.weight": "model.layers.{}.mlp.gate.weight",
-}
-_FROM_HF = {v: k for k, v in _TO_HF.items()}
-# stacked expert weight -> per-expert Hugging Face name (layer, expert)
-_EXPERTS_TO_HF = {
-    "w1": "model.layers.{}.mlp.experts.{}.gate_proj.weight",
-    "w3": "model.layers.{}.mlp.experts.{}.up_proj.weight",
-    "w2": "model.layers.{}.mlp.experts.{}.down_proj.weight",
-}
-_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
-_HF_PROJ_TO_W = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
-_OUR_EXPERTS = re.compile(r"layers\.(\d+)\.moe\.experts\.(w1|w2|w3)")
-# Entries of our state_dict() that have no Hugging Face counterpart.
-_NOT_IN_HF = re.compile(r"layers\.\d+\.moe\.(expert_bias|tokens_per_expert)")
-_HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq")
+__all__ = ["MAPPING", "Qwen3StateDictAdapter"]
+
+_L, _HF = "layers.{L}.", "model.layers.{L}."
 
 
-def _abstract(key: str) -> tuple[str, str | None]:
-    match = re.search(r"\d+", key)
-    if match is None:
-        return key, None
-    return key[: match.start()] + "{}" + key[match.end():], match.group(0)
+def _refuse_bias(key: str, value: Any) -> None:
+    refuse_dropped(key, value, "Qwen3MoeForCausalLM", "router bias (model.moe.load_balance_coeff "
+                   "was set; train with model.moe.load_balance_coeff=null to export)")
 
 
-def _full(t: Any) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
+def _zero_bias(c: Any) -> torch.Tensor | None:
+    balancing = c.moe_enabled and c.moe.load_balance_coeff is not None
+    return torch.zeros(c.moe.num_experts, dtype=torch.float32) if balancing else None
 
-    return t.full_tensor() if isinstance(t, DTensor) else t
+
+MAPPING = HFMapping(
+    Rename("tok_embeddings.weight", "model.embed_tokens.weight"),
+    Rename("norm.weight", "model.norm.weight"),
+    Tied("output.weight", "tok_embeddings.weight", when=lambda c: c.enable_weight_tying),
+    Rename("output.weight", "lm_head.weight"),
+    *(Rename(f"{_L}attention.{ours}.weight", f"{_HF}self_attn.{hf}.weight") for ours, hf in (
+        ("wq", "q_proj"), ("wk", "k_proj"), ("wv", "v_proj"), ("wo", "o_proj"), ("q_norm", "q_norm"),
+        ("k_norm", "k_norm"))),
+    Rename(_L + "attention_norm.weight", _HF + "input_layernorm.weight"),
+    Rename(_L + "ffn_norm.weight", _HF + "post_attention_layernorm.weight"),
+    *(Rename(f"{_L}feed_forward.{w}.weight", f"{_HF}mlp.{hf}.weight") for w, hf in (
+        ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
+    Rename(_L + "moe.router.gate.weight", _HF + "mlp.gate.weight"),
+    *(Stack(f"{_L}moe.experts.{w}", f"{_HF}mlp.experts.{{E}}.{hf}.weight") for w, hf in (
+        ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))),
+    Absent(_L + "moe.expert_bias", check=_refuse_bias, default=_zero_bias, alongside=_L + "moe.router.gate.weight"),
+    skip=[r"layers\.\d+\.moe\.tokens_per_expert", r".*rope_cache"],
+    ignore_hf=[r".*rotary_emb\.inv_freq"],
+)
 
 
-class Qwen3StateDictAdapter:
+class Qwen3StateDictAdapter(MappedAdapter):
     """Converts model state dicts; constructed with the model's ``Qwen3Config``."""
 
-    def __init__(self, config: Qwen3Config, hf_assets_path: str | None = None):
-        self.config = config
-        self.hf_assets_path = hf_assets_path
-
-    # ------------------------------------------------------------ TorchTitan
-    def to_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Our names are TorchTitan's; non-persistent buffers are dropped if present."""
-        return {k: v for k, v in state_dict.items() if not k.endswith(("rope_cache", "tokens_per_expert"))}
-
-    def from_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self.to_torchtitan(state_dict)
-
-    # --------------------------------------------------------- Hugging Face
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Hugging Face names; stacked experts split per expert; a tied output
-        weight is left out (HF ties ``lm_head`` to ``embed_tokens``)."""
-        out: dict[str, Any] = {}
-        for key, value in state_dict.items():
-            experts = _OUR_EXPERTS.fullmatch(key)
-            if experts:
-                layer, w = experts.groups()
-                full = _full(value)
-                for e in range(full.shape[0]):
-                    out[_EXPERTS_TO_HF[w].format(layer, e)] = full[e]
-                continue
-            if _NOT_IN_HF.fullmatch(key) or key.endswith("rope_cache"):
-                continue
-            if key == "output.weight" and self.config.enable_weight_tying:
-                continue
-            abstract, layer = _abstract(key)
-            if abstract not in _TO_HF:
-                raise KeyError(f"no Hugging Face name for {key!r}")
-            out[_TO_HF[abstract].format(layer)] = value
-        return out
-
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Our names from Hugging Face ones; per-expert weights stacked;
-        ``expert_bias`` (not in HF checkpoints) starts at zero."""
-        out: dict[str, Any] = {}
-        experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
-        for key, value in hf_state_dict.items():
-            if _HF_IGNORED.fullmatch(key):
-                continue
-            match = _HF_EXPERT.fullmatch(key)
-            if match:
-                layer, e, proj = match.groups()
-                experts.setdefault((layer, _HF_PROJ_TO_W[proj]), {})[int(e)] = value
-                continue
-            abstract, layer = _abstract(key)
-            if abstract not in _FROM_HF:
-                raise KeyError(f"unknown Hugging Face Qwen3 entry {key!r}")
-            out[_FROM_HF[abstract].format(layer)] = value
-        for (layer, w), per_expert in experts.items():
-            n = len(per_expert)
-            if sorted(per_expert) != list(range(n)):
-                raise KeyError(f"layer {layer} {w}: experts {sorted(per_expert)} are not 0..{n - 1}")
-            out[f"layers.{layer}.moe.experts.{w}"] = torch.stack([per_expert[e] for e in range(n)])
-        c = self.config
-        if c.enable_weight_tying and "output.weight" not in out and "tok_embeddings.weight" in out:
-            out["output.weight"] = out["tok_embeddings.weight"]
-        if c.moe_enabled and c.moe.load_balance_coeff is not None:
-            for layer in {k.split(".")[1] for k in out if ".moe." in k}:
-                out.setdefault(
-                    f"layers.{layer}.moe.expert_bias", torch.zeros(c.moe.num_experts, dtype=torch.float32)
-                )
-        return out
+    mapping = MAPPING

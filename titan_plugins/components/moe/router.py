@@ -20,6 +20,8 @@ class TokenChoiceTopKRouter(nn.Module):
     unbiased scores, optionally normalised (``route_norm``) and scaled (``route_scale``).
     """
 
+    lora_uncalled = ("gate",)  # its weight is read, never called: LoRA leaves it (titan_plugins/peft)
+
     def __init__(
         self,
         dim: int,

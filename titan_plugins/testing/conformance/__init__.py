@@ -18,7 +18,7 @@ One module per kind of contract, by where it runs:
     registration.py  registration, plugin-import (a fresh interpreter)
     schema.py        schema, hydra-compose, typed-override
     build.py         meta-build, init-weights, forward-backward (one process)
-    state_dict.py    state-dict;  hf.py: hf-round-trip;  generation.py: generation
+    state_dict.py    state-dict;  hf.py: hf-round-trip, hf-transformers;  generation.py: generation
     pipeline.py      pipeline-split (one process, two stages)
     parallelize.py   parallelize-fsdp/tp/ep/pp (one fake-process-group subprocess)
     parity.py        loss-parity fsdp/tp/ep (one launched 2-rank gloo job)
@@ -40,7 +40,7 @@ from titan_plugins.testing.conformance.contract import (
     ContractError,
 )
 from titan_plugins.testing.conformance.generation import check_generation
-from titan_plugins.testing.conformance.hf import check_hf_round_trip
+from titan_plugins.testing.conformance.hf import check_hf_round_trip, check_hf_transformers
 from titan_plugins.testing.conformance.parallelize import (
     PARALLELISMS,
     check_parallelize,
@@ -82,6 +82,7 @@ __all__ = [
     "check_forward_backward",
     "check_generation",
     "check_hf_round_trip",
+    "check_hf_transformers",
     "check_init_weights",
     "check_loss_parity",
     "check_meta_build",

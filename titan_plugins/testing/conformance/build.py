@@ -73,11 +73,11 @@ def initialise(session: Session) -> Initialised:
     if session.initialised is not None:
         return session.initialised
     check_meta_build(session)
-    where = "init_weights(buffer_device) after to_empty"
+    step = "init_weights(buffer_device) after to_empty"
     try:
         first = session.materialize(0, poison=True)
     except Exception as exc:
-        raise ContractError("init-weights", f"{where} raised {one_line(exc)}{where(exc)}",
+        raise ContractError("init-weights", f"{step} raised {one_line(exc)}{where(exc)}",
                             "make init_weights work on a materialized (to_empty) model") from None
     params = dict(first.named_parameters())
     for name, tensor in _all_tensors(first).items():

@@ -32,6 +32,8 @@ CONTRACTS = {
     "pipeline-split": "split by PipelineInfo, each stage initialises and runs, and the stages chained give the model's logits",
     "loss-parity": "a 2-rank gloo run (fsdp, tp, ep) matches the single-rank loss within LOSS_PARITY",
     "hf-round-trip": "the adapter's from_hf(to_hf(state_dict())) is the state dict exactly, and config.json maps both ways",
+    "hf-transformers": "where transformers knows the architecture: config.json reads back through its config class, "
+    "and a random transformers model loads with its logits and exports back strictly",
     "generation": "with cache= in forward, cached and uncached greedy decoding give the same tokens",
 }
 

@@ -12,6 +12,7 @@ from titan_plugins.hookspecs import hookimpl
 from titan_plugins.spec import DatasetSpec
 
 _SOURCES = "titan_plugins.train.data.sources"
+_CHECK = "titan_plugins.train.data.stream:check_data_source"  # before launch
 DATASETS = (
     DatasetSpec(
         name="builtin",
@@ -26,26 +27,44 @@ DATASETS = (
     DatasetSpec(
         name="text",
         build=f"{_SOURCES}:build_text",
+        check=_CHECK,
         description="a local .txt file or a directory of them (data.path)",
     ),
     DatasetSpec(
         name="jsonl",
         build=f"{_SOURCES}:build_jsonl",
+        check=_CHECK,
         description="local JSONL (data.path), text in data.text_field",
     ),
     DatasetSpec(
         name="hf",
         build=f"{_SOURCES}:build_hf",
+        check=_CHECK,
         description="a local Hugging Face dataset (data.path, data.split), offline",
     ),
     DatasetSpec(
         name="parquet",
         build=f"{_SOURCES}:build_parquet",
+        check=_CHECK,
         description="local Parquet (data.path), text in data.text_field (the parquet extra)",
+    ),
+    DatasetSpec(
+        name="chat",
+        build="titan_plugins.train.data.chat_source:build_chat",
+        check=_CHECK,
+        description="conversations (data.path: JSONL, Parquet or a save_to_disk folder) "
+        "through the chat template; assistant-only loss, packed (data.chat.*)",
+    ),
+    DatasetSpec(
+        name="chat_sample",
+        build="titan_plugins.train.data.chat_source:build_chat_sample",
+        check=_CHECK,
+        description="a few hundred synthetic conversations (shipped), ChatML, as data.name=chat",
     ),
     DatasetSpec(
         name="mix",
         build=f"{_SOURCES}:build_mix",
+        check=_CHECK,
         description="data.mix: several text/jsonl/parquet/hf sources mixed by weight",
     ),
 )

@@ -3,6 +3,7 @@
 ``build_dataloader`` looks ``data.name`` up among the registered datasets, calls
 its builder and stacks ``local_batch_size`` samples per batch. The loader is an
 infinite iterator of ``(input_ids, labels)`` int64 tensors ``[batch, seq_len]``
+(a ``Batch``, which may also carry ``doc_ids``)
 with ``state_dict()`` / ``load_state_dict()`` (the dataset's own state: the
 loader holds no samples between batches, so nothing is lost on resume).
 """
@@ -27,6 +28,23 @@ def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
         f"data.name={name!r} is not a registered dataset{did_you_mean(name, datasets)} "
         f"(choose from: {', '.join(sorted(datasets)) or 'none'})"
     )
+
+
+class Batch(tuple):
+    """``(input_ids, labels)`` that unpacks as a pair and may carry ``doc_ids``
+    (``[batch, seq_len]`` document index per token, for packed conversations; None
+    where documents are found from the tokens, as in pre-training)."""
+
+    doc_ids: torch.Tensor | None
+
+    def __new__(cls, inputs: torch.Tensor, labels: torch.Tensor,
+                doc_ids: torch.Tensor | None = None) -> Batch:
+        batch = super().__new__(cls, (inputs, labels))
+        batch.doc_ids = doc_ids
+        return batch
+
+    def __reduce__(self) -> Any:
+        return (Batch, (self[0], self[1], self.doc_ids))
 
 
 class DataLoader:
@@ -58,7 +76,8 @@ class DataLoader:
                 f"dataset {self.name!r} yielded batches of shape {tuple(inputs.shape)}/"
                 f"{tuple(labels.shape)}, expected {expected}"
             )
-        return inputs, labels
+        docs = torch.stack([p[2] for p in pairs]).long() if len(pairs[0]) > 2 else None
+        return Batch(inputs, labels, docs)
 
     def state_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset.state_dict()}
@@ -78,10 +97,14 @@ def build_dataloader(
     seq_len: int,
     seed: int,
     datasets: Mapping[str, DatasetSpec],
+    grad_accum_steps: int = 1,
 ) -> DataLoader:
     """This data-parallel rank's loader for ``data_config.name``.
 
     ``datasets`` is the registry (name -> DatasetSpec) the plugin manager collected.
+    ``grad_accum_steps`` with ``dp_world`` and ``local_batch_size`` gives the rows of
+    the global batch, which streaming sources deal out so that the layout does not
+    change them.
     """
     if local_batch_size < 1:
         raise ConfigError(f"training.local_batch_size={local_batch_size} must be at least 1")
@@ -90,6 +113,8 @@ def build_dataloader(
     dataset = build(
         data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed
     )
+    if hasattr(dataset, "set_layout"):  # streaming: one stream per row of the global batch
+        dataset.set_layout(local_batch_size, grad_accum_steps)
     if isinstance(dataset, torch.utils.data.IterableDataset):  # streaming: torchdata workers
         from titan_plugins.train.data.stream import StreamingLoader
 

@@ -2,20 +2,23 @@
 
 A source is cut into *units* from metadata alone (byte ranges of text/JSONL
 files, Parquet row groups, row ranges of a dataset), never by reading it. The
-loader's shards (``dp_world x num_workers``: data-parallel rank ``r``'s worker
-``w`` is shard ``r * num_workers + w``) take every ``n``-th unit, so no rank and
-no worker reads more than its part. A shard reads its units in an order
-reshuffled every epoch from the seed, tokenizes ``TOKENIZE_BATCH`` records at a
-time with ``tokenizers``' ``encode_batch`` (Rust), and packs the tokens into
-windows of ``seq_len + 1`` (neighbours share one token), documents joined by
-the tokenizer's BOS/EOS.
+units are dealt to ``G`` streams, one per row of the global batch (``G`` =
+data-parallel ranks x ``local_batch_size`` x ``grad_accum_steps``): stream ``s``
+reads units ``s, s+G, ...`` in an order reshuffled every epoch from the seed,
+tokenizes ``TOKENIZE_BATCH`` records at a time with ``tokenizers``'
+``encode_batch`` (Rust), and packs the tokens into windows of ``seq_len + 1``
+(neighbours share one token), documents joined by the tokenizer's BOS/EOS.
+Row ``i`` of the run is window ``i // G`` of stream ``i % G`` (``RowStream``), so
+the global batch is the same at any data-parallel degree and accumulation split,
+and a rank reads only the streams of the rows it owns, never the whole corpus.
 
-The state is where the shard is (epoch, unit, the record its current batch
+The state is where each stream is (epoch, unit, the record its current batch
 starts at, the tokens carried into that batch, rows taken from it): a few
-integers and fewer than ``seq_len`` tokens; a resume re-reads that one batch
-and continues bitwise. torchdata's ``StatefulDataLoader`` runs the shards in
-worker processes with prefetch and keeps each worker's state with the batches
-it hands out (``StreamingLoader``).
+integers and fewer than ``seq_len`` tokens per stream; a resume re-reads that
+one batch and continues bitwise. torchdata's ``StatefulDataLoader`` runs the
+rank's rows in worker processes with prefetch and keeps each worker's state
+with the batches it hands out (``StreamingLoader``). A resume at another
+data-parallel degree or accumulation split is refused in one line.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from titan_plugins.errors import ConfigError
 
 TOKENIZE_BATCH = 256  # records per encode_batch call
 BLOCK_BYTES = 4 << 20  # the largest byte range of a text/JSONL file one unit covers
-MIN_BLOCK_BYTES = 4 << 10
+MIN_BLOCK_BYTES = 1 << 10  # small files still split into a stream per row of the global batch
+SCAN_BYTES = 64 << 20  # up to this size a source's units are checked for line starts
 HF_ROWS = 4096  # rows of a Hugging Face dataset per unit
 TEXT_LINES = 64  # lines of a text file per record
 SUFFIXES = {"text": (".txt",), "jsonl": (".jsonl",), "parquet": (".parquet",)}
@@ -117,12 +121,24 @@ def plan_units(cfg: Any, kind: str, n_shards: int) -> list[Unit]:
         return units
     total = sum(f.stat().st_size for f in files)
     block = max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, -(-total // (4 * n_shards))))
-    return [
+    units = [
         Unit(str(f), s, min(s + block, size))
         for f in files
         for size in [f.stat().st_size]
         for s in range(0, size, block)
     ]
+    if total <= SCAN_BYTES:  # small: drop ranges where no line starts (inside a long line)
+        units = [u for u in units if _starts_a_line(u)]
+    return units
+
+
+def _starts_a_line(unit: Unit) -> bool:
+    """Whether a line starts in the unit's byte range (a record of it, in ``_lines``)."""
+    if unit.start == 0:
+        return True
+    with open(unit.path, "rb") as f:
+        f.seek(unit.start - 1)
+        return b"\n" in f.read(unit.stop - unit.start)
 
 
 def _lines(unit: Unit) -> Iterator[tuple[int, bytes]]:
@@ -189,13 +205,26 @@ def read_records(kind: str, unit: Unit, cfg: Any, hf_ds: Any = None) -> Iterator
 
 
 def check_data_source(data_cfg: Any) -> None:
-    """Read a few bytes/rows of every file source of ``data_cfg`` (and of each
-    ``data.mix`` entry); a ConfigError in one line for a missing or empty file,
-    a missing text field, or a file that is not UTF-8. Cheap: for the launcher."""
-    entries = list(getattr(data_cfg, "mix", None) or []) or [data_cfg]
-    for entry in entries:
-        cfg = _entry_config(data_cfg, entry)
+    """Read a few bytes/rows of every file source of ``data_cfg`` (of each ``data.mix``
+    entry for ``data.name=mix``, whose names and weights are checked first); a
+    ConfigError in one line for a missing or empty file, a glob matching nothing, a
+    missing text field, a file that is not UTF-8, a bad mix entry. Cheap: the
+    launcher runs it before any rank starts (``DatasetSpec.check``, ``train/prelaunch.py``)."""
+    if _get(data_cfg, "name") == "chat_sample":
+        from titan_plugins.train.data.chat_source import check_chat_source, sample_config
+
+        return check_chat_source(sample_config(data_cfg))
+    if _get(data_cfg, "name") == "mix":
+        configs = [cfg for cfg, _ in mix_entries(data_cfg)]
+    else:
+        configs = [_entry_config(data_cfg, data_cfg)]
+    for cfg in configs:
         kind = cfg.name
+        if kind == "chat":
+            from titan_plugins.train.data.chat_source import check_chat_source
+
+            check_chat_source(_chat_entry(data_cfg, cfg))
+            continue
         if kind not in SUFFIXES and kind != "hf":
             continue
         if kind != "hf":
@@ -228,50 +257,130 @@ def check_data_source(data_cfg: Any) -> None:
 
 
 # ------------------------------------------------------------------ dataset
-class StreamingTokenDataset(torch.utils.data.IterableDataset):
-    """Packed ``(input_ids, labels)`` windows of one streaming source; a torchdata
-    Stateful (``state_dict``/``load_state_dict``) per shard."""
+class RowStream(torch.utils.data.IterableDataset):
+    """The rows of the global batch, dealt to data-parallel ranks, accumulation
+    microbatches and loader workers without changing what any row holds.
+
+    Row ``i`` of the run (global batch ``t`` is rows ``t*G .. t*G+G-1``, ``G`` =
+    ``dp_world x local_batch_size x grad_accum_steps``) is a function of ``i`` alone
+    (``row(i)``). Rank ``r``'s ``n``-th local batch (microbatch ``n % accum`` of step
+    ``n // accum``) is rows ``(n*dp_world + r)*b .. +b``; torch's loader hands batch
+    ``n`` to worker ``n % num_workers``, so a worker knows which rows it owes. The
+    state is the worker's own count of rows plus what ``row`` needs (subclasses)."""
+
+    def __init__(self, *, dp_rank: int, dp_world: int, num_workers: int, seq_len: int) -> None:
+        if seq_len < 1:
+            raise ConfigError(f"training.seq_len={seq_len} must be at least 1")
+        if not 0 <= dp_rank < dp_world:
+            raise ValueError(f"dp_rank={dp_rank} is not in [0, dp_world={dp_world})")
+        self.dp_rank, self.dp_world, self.num_workers = dp_rank, dp_world, max(1, num_workers)
+        self.seq_len = seq_len
+        self.block, self.accum = 1, 1  # the loader sets the local batch and accumulation
+        self.taken = 0  # rows this worker has yielded
+
+    @property
+    def global_rows(self) -> int:
+        return self.dp_world * self.block * self.accum
+
+    def set_layout(self, local_batch_size: int, grad_accum_steps: int) -> None:
+        self.block, self.accum = int(local_batch_size), max(1, int(grad_accum_steps))
+
+    def row_of(self, taken: int, worker: int) -> int:
+        """The run-wide row index of this worker's ``taken``-th row."""
+        batch, j = divmod(taken, self.block)
+        n = batch * self.num_workers + worker
+        return (n * self.dp_world + self.dp_rank) * self.block + j
+
+    def worker(self) -> int:
+        info = torch.utils.data.get_worker_info()
+        return info.id if info is not None else 0
+
+    def row(self, index: int) -> Any:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[Any]:
+        worker = self.worker()
+        while True:
+            sample = self.row(self.row_of(self.taken, worker))
+            self.taken += 1
+            yield sample
+
+    def identity(self) -> dict[str, Any]:
+        return {"seq_len": self.seq_len, "global_rows": self.global_rows, "dp_world": self.dp_world}
+
+
+def _fresh() -> dict[str, Any]:
+    return {"epoch": 0, "unit": 0, "record": 0, "carry": [], "rows": 0, "windows": 0}
+
+
+class StreamingTokenDataset(RowStream):
+    """Packed ``(input_ids, labels)`` windows of one streaming source.
+
+    The source's units are dealt to ``G`` streams (one per row of the global batch:
+    stream ``s`` reads units ``s, s+G, ...``); row ``i`` is window ``i // G`` of
+    stream ``i % G``. A rank reads only the streams of the rows it owns, so no rank
+    reads the whole corpus, and the global batch is the same at any data-parallel
+    degree and accumulation split. Each stream's state is a few integers and fewer
+    than ``seq_len`` tokens (a resume re-reads one tokenize batch)."""
+
+    BATCH = TOKENIZE_BATCH  # records read and tokenized at a time
 
     def __init__(self, cfg: Any, kind: str, tokenizer: Any, *, dp_rank: int, dp_world: int,
                  num_workers: int, seq_len: int, seed: int) -> None:
-        if seq_len < 1:
-            raise ConfigError(f"training.seq_len={seq_len} must be at least 1")
+        super().__init__(dp_rank=dp_rank, dp_world=dp_world, num_workers=num_workers, seq_len=seq_len)
         self.cfg = _plain(cfg)
-        self.kind, self.tokenizer, self.seq_len, self.seed = kind, tokenizer, seq_len, seed
-        self.dp_rank, self.dp_world, self.num_workers = dp_rank, dp_world, max(1, num_workers)
-        self.n_shards = dp_world * self.num_workers
-        self.units = plan_units(self.cfg, kind, self.n_shards)
-        if len(self.units) < self.n_shards:
-            raise ConfigError(
-                f"data.path={self.cfg.path!r} splits into {len(self.units)} parts, fewer than the "
-                f"{self.n_shards} loader shards (data-parallel ranks x data.num_workers): "
-                "lower data.num_workers or add data"
-            )
+        self.kind, self.tokenizer, self.seed = kind, tokenizer, seed
         self.source = f"data.path={self.cfg.path!r}"
         self._hf = None
-        self.state: dict[str, Any] = {"epoch": 0, "unit": 0, "record": 0, "carry": [], "rows": 0}
+        self.units: list[Unit] = []
+        self.states: dict[int, dict[str, Any]] = {}
+        self._gens: dict[int, Iterator[Any]] = {}
+        self.set_layout(1, 1)
+
+    def set_layout(self, local_batch_size: int, grad_accum_steps: int) -> None:
+        super().set_layout(local_batch_size, grad_accum_steps)
+        self.units = plan_units(self.cfg, self.kind, self.global_rows)
+        # One stream per unit where the source is too small for one per row: still the
+        # same rows at any layout; ranks then read streams they share (a small source).
+        self.n_streams = max(1, min(self.global_rows, len(self.units)))
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_hf": None}  # workers reopen the memory-mapped dataset
+        return {**self.__dict__, "_hf": None, "_gens": {}}  # workers reopen the dataset
 
     def identity(self) -> dict[str, Any]:
-        return {"kind": self.kind, "seq_len": self.seq_len, "shards": self.n_shards,
-                "units": len(self.units)}
-
-    def shard(self) -> int:
-        info = torch.utils.data.get_worker_info()
-        worker = info.id if info is not None else 0
-        return self.dp_rank * self.num_workers + worker
+        return {"kind": self.kind, **super().identity(), "units": len(self.units)}
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self.state, "carry": list(self.state["carry"]), **self.identity()}
+        streams = {str(s): {**st, "carry": list(st["carry"])} for s, st in self.states.items()}
+        return {"taken": self.taken, "streams": streams, **self.identity()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_identity(state, self.identity())
-        self.state = {k: (list(state[k]) if k == "carry" else int(state[k]))
-                      for k in ("epoch", "unit", "record", "carry", "rows")}
+        self.taken = int(state["taken"])
+        self.states = {int(s): self._load_stream(st) for s, st in state["streams"].items()}
+        self._gens = {}
 
-    def _records(self, unit: Unit) -> Iterator[tuple[str, bool, bool]]:
+    def _load_stream(self, st: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in st.items()}
+
+    # ---------------------------------------------------------------- rows
+    def row(self, index: int) -> Any:
+        s, k = index % self.n_streams, index // self.n_streams
+        st = self.states.setdefault(s, self._fresh())
+        while st["windows"] < k:  # rows of this stream that another worker owns
+            self.take(s)
+        return self.take(s)
+
+    def take(self, s: int) -> Any:
+        """Stream ``s``'s next window."""
+        st = self.states.setdefault(s, self._fresh())
+        if s not in self._gens:
+            self._gens[s] = self._stream(s, st)
+        sample = next(self._gens[s])
+        st["windows"] += 1
+        return sample
+
+    def _records(self, unit: Unit) -> Iterator[Any]:
         if self.kind == "hf" and self._hf is None:
             self._hf = _open_hf(self.cfg.path, self.cfg.split)
         return read_records(self.kind, unit, self.cfg, self._hf)
@@ -287,12 +396,26 @@ class StreamingTokenDataset(torch.utils.data.IterableDataset):
                 out.append(eos)
         return out
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        shard = self.shard()
-        mine = self.units[shard :: self.n_shards]
-        st, n = self.state, self.seq_len
+    def _fresh(self) -> dict[str, Any]:
+        return _fresh()
+
+    def _pack(self, st: dict[str, Any], batch: list[Any]) -> tuple[list[Any], dict[str, Any], int]:
+        """The rows that ``batch`` completes after ``st["carry"]``, the state after them
+        (the new carry; what subclasses count), and the tokens ``batch`` held."""
+        n = self.seq_len
+        tokens = self._tokens(batch)
+        buf = np.asarray(st["carry"] + tokens, dtype=np.int64)
+        rows = max(0, (len(buf) - 1) // n)
+        out = []
+        for r in range(rows):
+            window = torch.from_numpy(buf[r * n : (r + 1) * n + 1].copy())
+            out.append((window[:-1], window[1:]))
+        return out, {"carry": buf[rows * n :].tolist()}, len(tokens)
+
+    def _stream(self, s: int, st: dict[str, Any]) -> Iterator[Any]:
+        mine = self.units[s :: self.n_streams]
         while True:
-            order = _rng(self.seed, st["epoch"], shard).permutation(len(mine))
+            order = _rng(self.seed, st["epoch"], s).permutation(len(mine))
             yielded_in_epoch = st["unit"] > 0 or st["record"] > 0 or st["rows"] > 0
             tokens_in_epoch = 0
             while st["unit"] < len(mine):
@@ -300,66 +423,90 @@ class StreamingTokenDataset(torch.utils.data.IterableDataset):
                 for _ in range(st["record"]):
                     next(records, None)
                 while True:
-                    batch = [r for _, r in zip(range(TOKENIZE_BATCH), records)]
+                    batch = [r for _, r in zip(range(self.BATCH), records)]
                     if not batch:
                         break
-                    tokens = self._tokens(batch)
-                    tokens_in_epoch += len(tokens)
-                    buf = np.asarray(st["carry"] + tokens, dtype=np.int64)
-                    rows = max(0, (len(buf) - 1) // n)
-                    for r in range(st["rows"], rows):
+                    rows, after, size = self._pack(st, batch)
+                    tokens_in_epoch += size
+                    for r in range(st["rows"], len(rows)):
                         st["rows"] = r + 1
                         yielded_in_epoch = True
-                        window = torch.from_numpy(buf[r * n : (r + 1) * n + 1].copy())
-                        yield window[:-1], window[1:]
+                        yield rows[r]
                     st["record"] += len(batch)
-                    st["carry"] = buf[rows * n :].tolist()
+                    st.update(after)
                     st["rows"] = 0
                 st["unit"] += 1
                 st["record"] = 0
             if not yielded_in_epoch:
                 raise ConfigError(
-                    f"{self.source} holds {tokens_in_epoch} tokens, fewer than "
-                    f"training.seq_len + 1 = {n + 1} (in loader shard {shard} of {self.n_shards})"
+                    f"{self.source} holds {tokens_in_epoch} tokens, fewer than training.seq_len + 1 = "
+                    f"{self.seq_len + 1} (in loader stream {s} of {self.n_streams}, one per row of the "
+                    "global batch where the source allows)"
                 )
             st["epoch"] += 1
             st["unit"] = 0
 
 
-class MixedDataset(torch.utils.data.IterableDataset):
-    """``data.mix``: each sample from one of several streaming sources, drawn by
-    weight from ``(seed, shard, sample)``; each source keeps its own position."""
+class MixedDataset(RowStream):
+    """``data.mix``: row ``i`` comes from the source drawn by weight from
+    ``(seed, i)``, as the next window of that source's stream ``i % G``; so the mix,
+    like each source, is the same at any parallel layout."""
 
     CHUNK = 4096
 
     def __init__(self, parts: list[StreamingTokenDataset], weights: list[float], seed: int) -> None:
+        first = parts[0]
+        super().__init__(dp_rank=first.dp_rank, dp_world=first.dp_world,
+                         num_workers=first.num_workers, seq_len=first.seq_len)
         self.parts, self.seed = parts, seed
         total = float(sum(weights))
         self.p = np.asarray(weights, dtype=np.float64) / total
-        self.taken = 0
+        self.scan: dict[int, int] = {}  # per stream: the next row of it not yet drawn
+        self._chunk: tuple[int, np.ndarray] = (-1, np.zeros(0))
+
+    def set_layout(self, local_batch_size: int, grad_accum_steps: int) -> None:
+        super().set_layout(local_batch_size, grad_accum_steps)
+        for part in self.parts:
+            part.set_layout(local_batch_size, grad_accum_steps)
 
     def identity(self) -> dict[str, Any]:
         return {"mix": [p.identity() for p in self.parts], "weights": self.p.round(12).tolist()}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"taken": self.taken, "parts": [p.state_dict() for p in self.parts], **self.identity()}
+        return {"taken": self.taken, "scan": {str(k): v for k, v in self.scan.items()},
+                "parts": [p.state_dict() for p in self.parts], **self.identity()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         check_identity(state, self.identity())
         self.taken = int(state["taken"])
+        self.scan = {int(k): int(v) for k, v in state["scan"].items()}
         for part, s in zip(self.parts, state["parts"]):
             part.load_state_dict(s)
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        shard = self.parts[0].shard()
-        streams = [iter(p) for p in self.parts]
-        while True:
-            chunk, pos = divmod(self.taken, self.CHUNK)
-            choice = _rng(self.seed, shard, chunk).choice(len(self.p), self.CHUNK, p=self.p)
-            for k in range(pos, self.CHUNK):
-                sample = next(streams[int(choice[k])])
-                self.taken += 1
-                yield sample
+    def choice(self, index: int) -> int:
+        chunk, pos = divmod(index, self.CHUNK)
+        if self._chunk[0] != chunk:
+            self._chunk = (chunk, _rng(self.seed, chunk).choice(len(self.p), self.CHUNK, p=self.p))
+        return int(self._chunk[1][pos])
+
+    def row(self, index: int) -> Any:
+        g = self.global_rows
+        s = index % g
+        j = self.scan.get(s, s)
+        while j < index:  # rows of this stream another worker owns: their windows go by
+            self.parts[self.choice(j)].take(s)
+            j += g
+        self.scan[s] = index + g
+        part = self.parts[self.choice(index)]
+        sample = part.take(s)
+        if len(sample) == 2 and any(getattr(p, "chat", {}).get("pack") for p in self.parts):
+            # Rows of packed conversations carry document ids: give a text row its own
+            # (from its EOS tokens), so the batch has them for every row.
+            from titan_plugins.components.attention_masks import document_ids
+
+            docs = document_ids(sample[0][None], part.tokenizer.eos_id)[0].long()
+            sample = (*sample, docs)
+        return sample
 
 
 def check_identity(state: Mapping[str, Any], identity: Mapping[str, Any]) -> None:
@@ -402,14 +549,21 @@ class StreamingLoader:
         if self._it is None:
             self._it = iter(self._loader)
         try:
-            inputs, labels = next(self._it)
+            batch = next(self._it)
         except Exception as exc:  # a worker's ConfigError comes back wrapped: one line
             text = str(exc)
             if "ConfigError" in text or isinstance(exc, ConfigError):
                 line = [ln for ln in text.splitlines() if ln.strip()][-1]
                 raise ConfigError(line.split("ConfigError: ", 1)[-1]) from None
             raise
-        return inputs.long(), labels.long()
+        from titan_plugins.train.data.loader import Batch
+
+        return Batch(*(t.long() for t in batch))
+
+    def stats(self) -> dict[str, int]:
+        """Counts the source keeps (a chat source: conversations truncated, dropped, skipped),
+        summed over this rank's workers as of the last batch handed out."""
+        return _sum_stats(self._loader.state_dict())
 
     @property
     def _key(self) -> str:
@@ -438,6 +592,25 @@ class StreamingLoader:
         self._it = None
 
 
+def _sum_stats(state: Any) -> dict[str, int]:
+    """Every ``"stats"`` (and ``"pending"``: the batch being handed out) mapping found in a
+    (nested) loader state, summed."""
+    total: dict[str, int] = {}
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            if key in ("stats", "pending") and isinstance(value, Mapping):
+                for k, v in value.items():
+                    total[k] = total.get(k, 0) + int(v)
+            else:
+                for k, v in _sum_stats(value).items():
+                    total[k] = total.get(k, 0) + v
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            for k, v in _sum_stats(value).items():
+                total[k] = total.get(k, 0) + v
+    return total
+
+
 def _plain(cfg: Any) -> Any:
     """A picklable copy of the config fields a source reads."""
     from types import SimpleNamespace
@@ -462,6 +635,14 @@ def _entry_config(base: Any, entry: Any) -> Any:
     return _plain(SimpleNamespace(**merged))
 
 
+def _chat_entry(base: Any, cfg: Any, workers: int = 0) -> Any:
+    """A chat source's config: the entry's path and split with the base's ``chat`` and tokenizer."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name="chat", path=cfg.path, split=cfg.split, chat=_get(base, "chat"),
+                           tokenizer=_get(base, "tokenizer"), num_workers=workers)
+
+
 def build_streaming(data_config: Any, tokenizer: Any, kind: str, *, dp_rank: int, dp_world: int,
                     seq_len: int, seed: int) -> StreamingTokenDataset:
     check_data_source(_plain(data_config))
@@ -474,20 +655,36 @@ def build_streaming(data_config: Any, tokenizer: Any, kind: str, *, dp_rank: int
 def build_mix(data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int, seq_len: int,
               seed: int) -> MixedDataset:
     """``data.mix=[{name, path, weight, text_field?, split?}, ...]`` of streaming sources."""
-    entries = list(_get(data_config, "mix") or [])
-    if not entries:
-        raise ConfigError("data.name=mix needs data.mix (a list of {name, path, weight})")
     workers = int(_get(data_config, "num_workers", 0) or 0)
     parts, weights = [], []
-    for i, entry in enumerate(entries):
-        cfg = _entry_config(data_config, entry)
-        if cfg.name not in SUFFIXES and cfg.name != "hf":
-            raise ConfigError(f"data.mix[{i}].name={cfg.name!r} must be one of text, jsonl, parquet, hf")
-        weight = _get(entry, "weight", 1.0)
-        if not isinstance(weight, (int, float)) or weight <= 0:
-            raise ConfigError(f"data.mix[{i}].weight={weight!r} must be a positive number")
+    for i, (cfg, weight) in enumerate(mix_entries(data_config)):
+        if cfg.name == "chat":
+            from titan_plugins.train.data.chat_source import build_chat
+
+            parts.append(build_chat(_chat_entry(data_config, cfg, workers), tokenizer, dp_rank=dp_rank,
+                                    dp_world=dp_world, seq_len=seq_len, seed=seed + i))
+            weights.append(weight)
+            continue
         check_data_source(cfg)
         parts.append(StreamingTokenDataset(cfg, cfg.name, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
                                            num_workers=workers, seq_len=seq_len, seed=seed + i))
-        weights.append(float(weight))
+        weights.append(weight)
     return MixedDataset(parts, weights, seed)
+
+
+def mix_entries(data_config: Any) -> list[tuple[Any, float]]:
+    """``(source config, weight)`` of each ``data.mix`` entry; a ConfigError in one line
+    for an empty mix, a source that cannot be mixed, or a weight that is not positive."""
+    entries = list(_get(data_config, "mix") or [])
+    if not entries:
+        raise ConfigError("data.name=mix needs data.mix (a list of {name, path, weight})")
+    out = []
+    for i, entry in enumerate(entries):
+        cfg = _entry_config(data_config, entry)
+        if cfg.name not in SUFFIXES and cfg.name not in ("hf", "chat"):
+            raise ConfigError(f"data.mix[{i}].name={cfg.name!r} must be one of text, jsonl, parquet, hf, chat")
+        weight = _get(entry, "weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight > 0:
+            raise ConfigError(f"data.mix[{i}].weight={weight!r} must be a positive number")
+        out.append((cfg, float(weight)))
+    return out

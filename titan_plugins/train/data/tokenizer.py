@@ -6,9 +6,10 @@ byte-level BPE (GPT-2 style) trained with ``tokenizers``' own trainer on the
 shipped corpus, its special tokens ``<|bos|>`` / ``<|eos|>`` appended last
 (ids 2046/2047), so every text round-trips.
 
-BOS/EOS/padding ids come from the tokenizer: ``tokenizer_config.json`` next to
-the file when it names them, else the post-processor's template, else the
-usual names among its special tokens. ``encode`` never adds special tokens;
+BOS/EOS/padding ids come from what the files state: ``tokenizer_config.json`` next to
+the file when it names them, else the ids ``config.json`` (then
+``generation_config.json``) of a Hugging Face folder gives, else the post-processor's
+template, and only then the usual names among its special tokens. ``encode`` never adds special tokens;
 document packing adds ``bos_id`` / ``eos_id`` itself where they exist.
 """
 
@@ -44,15 +45,21 @@ class Tokenizer:
     ``pad_id`` (-1 where the tokenizer has none).
     """
 
-    def __init__(self, tok: Any, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, tok: Any, config: dict[str, Any] | None = None,
+                 ids: dict[str, int] | None = None) -> None:
         self.tok = tok
-        config = config or {}
+        config, ids = config or {}, ids or {}
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
         template = self._template_ids()
-        self.bos_id = self._special(config.get("bos_token"), _BOS_NAMES, template[0])
-        self.eos_id = self._special(config.get("eos_token"), _EOS_NAMES, template[1])
+
+        def stated(kind: str, fallback: int | None) -> int | None:
+            value = ids.get(kind)
+            return value if isinstance(value, int) and 0 <= value < self.vocab_size else fallback
+
+        self.bos_id = self._special(config.get("bos_token"), _BOS_NAMES, stated("bos", template[0]))
+        self.eos_id = self._special(config.get("eos_token"), _EOS_NAMES, stated("eos", template[1]))
         pad = tok.padding["pad_id"] if tok.padding else None
-        self.pad_id = self._special(config.get("pad_token"), _PAD_NAMES, pad)
+        self.pad_id = self._special(config.get("pad_token"), _PAD_NAMES, stated("pad", pad))
         if self.pad_id < 0:
             self.pad_id = self.eos_id
 
@@ -81,6 +88,12 @@ class Tokenizer:
             if name in specials:
                 return int(self.tok.token_to_id(name))
         return -1
+
+    def special_name(self, token_id: int) -> str | None:
+        """The special (added) token ``token_id`` is, if it is one: text never encodes
+        to it, so it is in the data only where the packer puts it (BOS, EOS)."""
+        token = self.tok.get_added_tokens_decoder().get(int(token_id))
+        return token.content if token is not None and token.special else None
 
     # ------------------------------------------------------------------ coding
     def encode(self, text: str) -> list[int]:
@@ -124,19 +137,37 @@ class Tokenizer:
             raise ConfigError(
                 f"{key}={str(path)!r} is not a Hugging Face tokenizer.json ({first})"
             ) from None
-        config: dict[str, Any] = {}
-        cfg_file = p.parent / "tokenizer_config.json"
-        if cfg_file.is_file():
-            try:
-                config = json.loads(cfg_file.read_text(encoding="utf-8"))
-            except (OSError, ValueError):
-                config = {}
-        return cls(tok, config if isinstance(config, dict) else {})
+        return cls(tok, _read_json(p.parent / "tokenizer_config.json"), _stated_ids(p.parent))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _stated_ids(folder: Path) -> dict[str, int]:
+    """``bos``/``eos``/``pad`` ids a Hugging Face folder's ``config.json`` states, then
+    ``generation_config.json`` for what it leaves out (a list: its first id)."""
+    out: dict[str, int] = {}
+    for name in ("config.json", "generation_config.json"):
+        data = _read_json(folder / name)
+        for kind in ("bos", "eos", "pad"):
+            value = data.get(f"{kind}_token_id")
+            if isinstance(value, list):
+                value = value[0] if value else None
+            if isinstance(value, int) and not isinstance(value, bool):
+                out.setdefault(kind, value)
+    return out
 
 
 def build_tokenizer(data_config: Any) -> Tokenizer:
-    """The tokenizer ``data.tokenizer`` names, or the shipped one (vocab 2048)."""
-    path = getattr(data_config, "tokenizer", None) or DEFAULT_TOKENIZER
+    """The tokenizer ``data.tokenizer`` names, or the shipped one (vocab 2048; for chat
+    data its ChatML variant, ``assets/chat_tokenizer``)."""
+    chat = getattr(data_config, "name", None) in ("chat", "chat_sample")
+    path = getattr(data_config, "tokenizer", None) or (ASSETS / "chat_tokenizer" if chat else DEFAULT_TOKENIZER)
     return Tokenizer.load(path)
 
 

@@ -1,0 +1,58 @@
+"""TorchTitan 0.2.2's Llama 3 built as its trainer builds it (meta build ->
+``update_from_config(seq_len)`` -> ``to_empty`` -> seeded ``init_weights``), and ours
+the same way. Its SDPA wrapper is set to the math kernel (ours runs under
+``sdpa_kernel(MATH)`` too), so both sides compute with one kernel."""
+
+from __future__ import annotations
+
+import torch
+from titan_llama3.config import Llama3Config
+from titan_llama3.model import build
+from torch import nn
+from torch.nn.attention import SDPBackend
+
+from titan_plugins.testing.torchtitan_ref import import_torchtitan
+
+
+def reference_args(config: Llama3Config):
+    """TorchTitan's ``TransformerModelArgs`` with the same numbers as ``config``."""
+    args = import_torchtitan("torchtitan.models.llama3.model.args")
+    s = config.rope_scaling
+    return args.TransformerModelArgs(
+        dim=config.dim, n_layers=config.n_layers, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+        vocab_size=config.vocab_size, multiple_of=config.multiple_of,
+        ffn_dim_multiplier=config.ffn_dim_multiplier, norm_eps=config.norm_eps, rope_theta=config.rope_theta,
+        rope_scaling_args=args.RoPEScalingArgs(
+            scaling_factor=s.scaling_factor, low_freq_factor=s.low_freq_factor,
+            high_freq_factor=s.high_freq_factor, original_max_position_embeddings=s.original_max_position_embeddings,
+        ),
+        max_seq_len=config.max_seq_len, depth_init=config.depth_init,
+    )
+
+
+def build_reference(config: Llama3Config, seq_len: int, seed: int) -> nn.Module:
+    mm = import_torchtitan("torchtitan.models.llama3.model.model")
+    attention = import_torchtitan("torchtitan.models.attention")
+    attention.ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
+    args = reference_args(config)
+    job = type("Job", (), {})()
+    job.training = type("T", (), {"seq_len": seq_len})()
+    job.parallelism = type("P", (), {"context_parallel_degree": 1})()
+    args.update_from_config(job)
+    with torch.device("meta"):
+        model = mm.Transformer(args)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def build_ours(config: Llama3Config, seed: int) -> nn.Module:
+    with torch.device("meta"):
+        model = build(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model

@@ -1,0 +1,125 @@
+"""Special-token ids come from the tokenizer in use (issue 25, item 3): a model's
+``eos_id`` is the tokenizer's EOS id unless stated, and a ``block_causal`` mask that
+could not separate documents is one error line before launch, for every model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from omegaconf import OmegaConf
+
+from titan_plugins.components.attention_masks import AttentionMask
+from titan_plugins.errors import ConfigError
+from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.train.api import prepare_job
+from titan_plugins.train.data.tokenizer import build_tokenizer
+from titan_plugins.train.special_tokens import check_attention_mask, hand_special_tokens
+
+SHIPPED = build_tokenizer(OmegaConf.create({"tokenizer": None}))
+SHIPPED_EOS, SHIPPED_BOS = SHIPPED.eos_id, SHIPPED.bos_id
+
+
+@pytest.fixture(scope="module")
+def pm():
+    return get_plugin_manager(strict=True)
+
+
+@pytest.mark.parametrize("model", ["qwen3", "llama4"])
+def test_block_causal_takes_the_tokenizers_eos_id(pm, model) -> None:
+    # qwen3's debug flavors kept eos_id=151645 beside a 2048-token vocabulary: no document ended
+    _, job, _ = prepare_job([f"model={model}", "model.attn_mask=block_causal"], pm)
+    assert job.model.eos_id == SHIPPED_EOS
+    assert 0 <= SHIPPED_EOS < job.model.vocab_size
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model=qwen3", "model.attn_mask=block_causal", "model.eos_id=151645"],
+     "model.eos_id=151645 is outside the vocabulary"),
+    (["model=qwen3", "model.attn_mask=block_causal", f"model.eos_id={SHIPPED_BOS}"],
+     f"model.eos_id={SHIPPED_BOS} is <\\|bos\\|>, not the EOS id of the shipped tokenizer \\({SHIPPED_EOS}\\)"),
+    (["model=llama4", "model.attn_mask=block_causal", f"model.eos_id={SHIPPED_BOS}"], "not the EOS id"),
+])
+def test_a_mask_that_cannot_take_effect_is_an_error(pm, overrides, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        prepare_job(overrides, pm)
+
+
+def test_a_stated_eos_id_is_kept(pm) -> None:
+    _, job, _ = prepare_job(["model=qwen3", "model.eos_id=7"], pm)
+    assert job.model.eos_id == 7  # the user's value; no mask reads it
+    newline = SHIPPED.encode("\n")[0]  # an ordinary token as the separator: in the text, so it bites
+    _, job, _ = prepare_job(["model=llama4", "model.attn_mask=block_causal", f"model.eos_id={newline}"], pm)
+    assert job.model.eos_id == newline
+
+
+@dataclass
+class _AnyModel:  # what a third-party plugin's config may look like
+    vocab_size: int = 2048
+    eos_id: int = 2047
+    attn_mask: AttentionMask = AttentionMask.block_causal
+
+
+def test_the_check_covers_any_model_config(tmp_path) -> None:
+    from tokenizers import Tokenizer, models
+
+    data = OmegaConf.create({"name": "builtin", "tokenizer": None})
+    check_attention_mask(_AnyModel(eos_id=SHIPPED_EOS), data)
+    check_attention_mask(_AnyModel(eos_id=3, attn_mask=AttentionMask.causal), data)  # unused: fine
+    with pytest.raises(ConfigError, match="not the EOS id"):
+        check_attention_mask(_AnyModel(eos_id=SHIPPED_BOS), data)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):
+        check_attention_mask(_AnyModel(eos_id=4096), data)
+    bare = tmp_path / "tokenizer.json"
+    Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a")).save(str(bare))
+    job = OmegaConf.create({"model": {"eos_id": 1, "attn_mask": "block_causal", "hf": None},
+                            "data": {"name": "text", "tokenizer": str(bare)}})
+    with pytest.raises(ConfigError, match="has no EOS token"):  # the flavor's eos_id would mean nothing
+        hand_special_tokens(None, job, OmegaConf.create({"eos_id": "???"}))
+    hand_special_tokens(None, job, OmegaConf.create({"eos_id": 1}))  # a separator the user named
+    check_attention_mask(_AnyModel(vocab_size=2, eos_id=1), job.data)
+
+
+def test_special_ids_come_from_what_a_folder_states_before_name_lists(tmp_path) -> None:
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    from titan_plugins.train.data.tokenizer import Tokenizer as TitanTokenizer
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
+    tok.add_special_tokens(["<doc>", "</doc>", "<|endoftext|>"])  # 2, 3, 4: the last a known name
+    tok.save(str(tmp_path / "tokenizer.json"))
+    assert TitanTokenizer.load(tmp_path).eos_id == 4  # nothing stated: the name list
+    (tmp_path / "config.json").write_text(json.dumps({"bos_token_id": 2, "eos_token_id": [3, 4]}))
+    loaded = TitanTokenizer.load(tmp_path)
+    assert (loaded.bos_id, loaded.eos_id) == (2, 3)  # config.json, as transformers reads it
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    assert TitanTokenizer.load(tmp_path).eos_id == 4  # tokenizer_config.json names it: first
+
+
+# ------------------------------------------------------------------ packed conversations
+def _mask(job) -> str:
+    return str(getattr(job.model.attn_mask, "value", job.model.attn_mask))
+
+
+def _compose(*overrides):
+    return prepare_job(list(overrides), get_plugin_manager(strict=True))[1]
+
+
+def test_packed_chat_gets_block_causal_where_the_model_has_the_option():
+    job = _compose("model=qwen3", "data=chat_sample")
+    assert _mask(job) == "block_causal" and job.data.chat.pack
+
+
+def test_packed_chat_pads_rows_for_a_model_without_a_document_mask(capsys):
+    job = _compose("model=deepseek_v3", "data=chat_sample")
+    assert job.data.chat.pack is False
+    assert "rows are padded" in capsys.readouterr().out
+
+
+def test_packed_chat_with_a_stated_causal_mask_is_one_error():
+    with pytest.raises(ConfigError, match=r"model.attn_mask=causal: data.chat.pack=true"):
+        _compose("model=qwen3", "data=chat_sample", "model.attn_mask=causal")
+    job = _compose("model=qwen3", "data=chat_sample", "model.attn_mask=causal", "data.chat.pack=false")
+    assert _mask(job) == "causal"

@@ -1,0 +1,39 @@
+"""The ``peft`` config group (``peft=none`` / ``peft=lora``): its typed schema.
+
+Light on purpose (no torch): the schema is imported when Hydra composes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+__all__ = ["ALL_LINEAR", "PeftConfig", "PeftMethod"]
+
+# ``peft.target_modules=[all-linear]``: every nn.Linear except the modules that live
+# only on the first or last pipeline stage (the output projection), as peft's own.
+ALL_LINEAR = "all-linear"
+
+
+class PeftMethod(str, Enum):
+    none = "none"  # full fine-tuning: every parameter trains
+    lora = "lora"  # frozen base, low-rank adapters on the matched nn.Linear modules
+
+
+@dataclass
+class PeftConfig:
+    """LoRA (titan_plugins/peft): ``W x + (alpha / rank) * B A dropout(x)`` on every
+    ``nn.Linear`` whose name matches ``target_modules``, ``B`` zero at the start.
+
+    Patterns: a module's full name (``layers.0.attention.wq``), a suffix of it
+    (``wq``, ``attention.wq``) or a glob over either (``layers.*.attention.w[qkv]``);
+    ``all-linear`` for every ``nn.Linear`` but the output projection.
+    """
+
+    method: PeftMethod = PeftMethod.none
+    rank: int = field(default=8, metadata={"range": "[1, inf)"})
+    alpha: float = field(default=16.0, metadata={"range": "(0, inf)"})
+    dropout: float = field(default=0.0, metadata={"range": "[0, 1)"})
+    target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
+    init_from: str | None = None  # a PEFT adapter folder to continue training from
+    adapter_only_checkpoints: bool = True  # checkpoints hold what trains (base: model.hf / init_from)

@@ -1,0 +1,79 @@
+"""Our adapted modules under their Hugging Face names, from the plugin's own
+state-dict adapter (``to_hf``): nothing per plugin.
+
+For a module ``M`` with base weight ``M.weight`` of shape ``[out, in]``, ``to_hf`` is
+probed twice with index tensors (``R[i, j] = i``, ``C[i, j] = j``). Each Hugging Face
+tensor it yields must be a gather ``W_hf[a, b] = W[rows[a], cols[b]]`` (a rename, a
+split of fused projections, a row permutation such as a rotary layout). Then the
+adapter pair maps as ``A_hf = A[:, cols]``, ``B_hf = B[rows]``, since
+``B_hf A_hf = (B A)[rows][:, cols]``. A module that ``to_hf`` maps only together
+with others (fused on the Hugging Face side) has no adapter of its own there: it is
+refused in one line.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["HFTarget", "hf_targets", "state_dict_adapter"]
+
+
+@dataclass(frozen=True)
+class HFTarget:
+    module: str  # the Hugging Face module name (``model.layers.0.self_attn.q_proj``)
+    rows: torch.Tensor  # which of our output rows it holds (index into B's rows)
+    cols: torch.Tensor  # which of our input columns (index into A's columns)
+
+
+def state_dict_adapter(spec: Any, config: Any, folder: str | None = None) -> Any:
+    adapter_cls = spec.load("state_dict_adapter")
+    if adapter_cls is None or not hasattr(adapter_cls, "to_hf"):
+        raise ConfigError(f"model {spec.name!r}: its plugin has no state-dict adapter with to_hf (Hugging Face names)")
+    takes_folder = "hf_assets_path" in inspect.signature(adapter_cls).parameters
+    return adapter_cls(config, hf_assets_path=folder) if takes_folder and folder else adapter_cls(config)
+
+
+def hf_targets(adapter: Any, module: str, shape: tuple[int, int]) -> list[HFTarget]:
+    """The Hugging Face modules that hold our ``module``'s weight, and how."""
+    key = f"{module}.weight"
+    out_f, in_f = shape
+    probe = torch.empty(shape, device="meta")
+    try:
+        quick = adapter.to_hf({key: probe})
+    except Exception:  # noqa: BLE001 - a fused partner is missing
+        quick = {}
+    if len(quick) == 1:
+        name, value = next(iter(quick.items()))
+        if value is probe and name.endswith(".weight"):  # a rename
+            return [HFTarget(name[: -len(".weight")], torch.arange(out_f), torch.arange(in_f))]
+    rows_probe = torch.arange(out_f, dtype=torch.float64).view(-1, 1).expand(out_f, in_f).contiguous()
+    cols_probe = torch.arange(in_f, dtype=torch.float64).view(1, -1).expand(out_f, in_f).contiguous()
+    try:
+        by_rows, by_cols = adapter.to_hf({key: rows_probe}), adapter.to_hf({key: cols_probe})
+    except Exception as exc:  # noqa: BLE001
+        raise _fused(module, f"to_hf fails on it alone: {exc}") from None
+    if not by_rows or set(by_rows) != set(by_cols):
+        raise _fused(module, "to_hf names no Hugging Face tensor for it alone")
+    targets = []
+    for name, r in by_rows.items():
+        c = by_cols[name]
+        if r.ndim != 2 or not name.endswith(".weight"):
+            raise _fused(module, f"it maps to {name} of shape {tuple(r.shape)}")
+        rows, cols = r[:, 0], c[0, :]
+        if not (torch.equal(r, rows[:, None].expand_as(r)) and torch.equal(c, cols[None, :].expand_as(c))):
+            raise _fused(module, f"{name} is not a selection of its rows and columns")
+        targets.append(HFTarget(name[: -len(".weight")], rows.long(), cols.long()))
+    return targets
+
+
+def _fused(module: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"peft.target_modules: {module} has no Hugging Face module of its own ({why}); "
+        "a PEFT adapter cannot hold it: leave it out of the targets to export"
+    )
