@@ -1,5 +1,6 @@
 # make run    set up .venv (first time) and run the main job on the shipped data
 # make test   set up .venv (first time) and run the test suite
+# make test-all   the test suite with the extended layout variants (a few minutes more)
 # make test-fast  the in-process tests only (no multi-rank runs), for the edit loop
 # make lint   ruff
 # VENV=/path  use another virtual environment; ARGS="..." extra arguments
@@ -13,7 +14,7 @@ ARGS ?=
 # whole): in-process tests run beside the multi-rank ones on the 2-core CI box.
 JOBS ?= 2
 
-.PHONY: venv run test test-fast lint clean
+.PHONY: venv run test test-all test-fast lint clean
 
 venv: $(STAMP)
 
@@ -26,6 +27,9 @@ run: venv
 	$(BIN)/titan-run model=deepseek_v3 parallelism=fsdp4_tp2_ep2 $(ARGS)
 
 test: venv
+	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile -m "not extended" $(TEST_PATHS) $(ARGS)
+
+test-all: venv
 	$(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile $(TEST_PATHS) $(ARGS)
 
 test-fast: venv

@@ -137,3 +137,21 @@ def test_a_model_hf_compare_starts_both_sides_from_the_folder(tmp_path, monkeypa
     assert rc == 0
     assert not any(o.startswith("checkpoint.init_from=") for side in sides.values() for o in side)
     assert f"both sides start from the weights of model.hf={folder}" in capsys.readouterr().out
+
+
+def test_a_reused_workdir_is_refused_before_any_run(tmp_path, monkeypatch, capsys) -> None:
+    # Its runs would resume the earlier compare's checkpoints and mix in its metrics.
+    from titan_plugins.cli.compare import main
+    from titan_plugins.compare import runner
+
+    def no_run(*_a, **_k):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(runner, "run_side", no_run)
+    monkeypatch.setattr(runner, "make_seed_checkpoint", no_run)
+    (tmp_path / "work" / "baseline").mkdir(parents=True)
+    rc = main(["--baseline", "model=qwen3 parallelism=single", "--test", "model=qwen3 parallelism=fsdp2",
+               "--steps", "1", "--workdir", str(tmp_path / "work")])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --workdir") and "earlier compare's baseline/ run" in err[-1]

@@ -173,3 +173,21 @@ def test_every_failure_line_has_the_error_prefix(tmp_path, monkeypatch, capsys, 
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and err[0] == expected, err
     assert (tmp_path / "error.txt").read_text().startswith(expected.removeprefix("error: "))
+
+
+def test_tokenizer_trainer_and_eval_never_replace_a_users_file(tmp_path, capsys):
+    from titan_plugins.cli.eval import main as eval_main
+    from titan_plugins.train.data.train_tokenizer import main as tok_main
+
+    mine = tmp_path / "tokenizer.json"
+    mine.write_text("my own tokenizer")
+    (tmp_path / "text.txt").write_text("some words to train on\n" * 50)
+    assert tok_main([str(tmp_path / "text.txt"), "--out", str(mine)]) == 2
+    assert "exists (pass --overwrite" in capsys.readouterr().err
+    assert mine.read_text() == "my own tokenizer"
+
+    results = tmp_path / "results.json"
+    results.write_text("earlier results")
+    assert eval_main(["--hf", str(tmp_path), "--model", "qwen3", "--tasks", "x",
+                      "--tasks-dir", str(tmp_path), "--output", str(results)]) == 2
+    assert "--output" in capsys.readouterr().err and results.read_text() == "earlier results"

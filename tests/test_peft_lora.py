@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 
 import pytest
@@ -192,20 +193,45 @@ def test_export_never_replaces_a_folder_that_is_not_an_export(base, tmp_path, ca
     assert (mine / "notes.txt").read_text() == "keep me"
 
 
-def test_moe_router_gate_is_left_out_and_refused_by_name():
-    """The router reads gate.weight (F.linear) without calling gate: an adapter there would
-    get no gradient. all-linear leaves it out; naming it is one line."""
-    moe = ["model=qwen3", "model.flavor=debugmodel_moe", "model.n_layers=2", "data.name=synthetic",
-           "training.seq_len=16", "peft=lora"]
-    with pytest.raises(ConfigError, match=r"=router.gate: names layers.\*.moe.router.gate, whose weight its "
-                                          r"TokenChoiceTopKRouter reads without calling it") as err:
-        prepare_job([*moe, "peft.target_modules=[router.gate]"], get_plugin_manager())
+@pytest.mark.parametrize("pattern, what", [
+    ("router.gate", "layers.*.moe.router.gate"), ("shared_experts.w1", "layers.*.moe.shared_experts.w1"),
+])
+def test_moe_linears_read_without_a_call_are_left_out_and_refused_by_name(pattern, what):
+    """The MoE forward reads the router gate's and the shared experts' weights (F.linear)
+    without calling the modules: an adapter there would get no gradient. all-linear
+    leaves them out; naming them is one line."""
+    moe = ["model=qwen3", "model.flavor=debugmodel_moe", "model.n_layers=2", "model.moe.num_shared_experts=1",
+           "data.name=synthetic", "training.seq_len=16", "peft=lora"]
+    with pytest.raises(ConfigError, match=rf"={pattern}: names {re.escape(what)}, whose weight its "
+                                          r"(MoE|TokenChoiceTopKRouter) reads without calling it") as err:
+        prepare_job([*moe, f"peft.target_modules=[{pattern}]"], get_plugin_manager())
     assert "\n" not in str(err.value)
     spec, job, _ = prepare_job([*moe, "peft.target_modules=[all-linear]"], get_plugin_manager())
     model = build_meta_model(spec, job)
     names = apply_peft(model, spec, job)
-    assert "layers.0.attention.wq" in names and not [n for n in names if "router" in n]
-    assert not [n for n, p in model.named_parameters() if p.requires_grad and "router" in n]
+    assert "layers.0.attention.wq" in names and not [n for n in names if ".moe." in n]
+    assert not [n for n, p in model.named_parameters() if p.requires_grad and ".moe." in n]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_lora_runs_under_a_compute_dtype(base, dtype):
+    """precision.compute_dtype (or bf16_mixed's param_dtype on one rank) over fp32
+    weights: the projections compute in that dtype through components.compute_dtype.linear,
+    which used to read the weight and skip the adapter. The adapters must still act and
+    get gradients."""
+    _, _, plain = _ours(base, lora=False)
+    _, _, lora = _ours(base)
+    _trained_like(lora)
+    with torch.no_grad():
+        effect = (lora(TOKENS) - plain(TOKENS)).abs().max().item()  # what the adapters add, fp32
+        want = lora(TOKENS).double()
+    lora.set_compute_dtype(dtype)
+    got = lora(TOKENS)
+    err = (got.double() - want).abs().max().item()
+    assert effect > 0.1 and err < 0.05 * effect, (effect, err)
+    got.float().sum().backward()
+    grads = [m.lora_B.weight.grad for _, m in adapter_modules(lora)]
+    assert all(g is not None and g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads)
 
 
 def test_generate_puts_adapter_only_checkpoints_on_init_from_and_needs_a_base(tmp_path, capsys):
@@ -241,6 +267,25 @@ def test_generate_puts_adapter_only_checkpoints_on_init_from_and_needs_a_base(tm
     loaded = load_checkpoint(run_dir, torch.device("cpu"))
     with torch.no_grad():
         assert torch.equal(loaded.model.eval()(TOKENS), model(TOKENS))
+
+
+def test_export_hf_on_a_lora_run_claims_its_merged_and_adapter_folders_before_launch(base, tmp_path):
+    """checkpoint.export_hf=true on a LoRA run writes <run_dir>/hf (merged) and
+    <run_dir>/hf-adapter: before launch, earlier exports of those kinds may be replaced
+    (a resumed run), a user's folder in either place is refused and kept."""
+    from titan_plugins.hf.out_dir import MARKER
+
+    args = _overrides(base, "peft=lora", f"peft.target_modules=[{','.join(OURS)}]", "checkpoint.export_hf=true")
+    run_dir = tmp_path / "run"
+    for name, kind in (("hf", "merged"), ("hf-adapter", "peft-adapter")):
+        (run_dir / name).mkdir(parents=True)
+        (run_dir / name / MARKER).write_text(json.dumps({"kind": kind}))
+    prepare_job(args, get_plugin_manager(), run_dir=run_dir)
+    (run_dir / "hf-adapter" / MARKER).unlink()
+    (run_dir / "hf-adapter" / "mine.txt").write_text("keep")
+    with pytest.raises(ConfigError, match=r"^checkpoint.export_hf=true: folder=.*hf-adapter: is not empty"):
+        prepare_job(args, get_plugin_manager(), run_dir=run_dir)
+    assert (run_dir / "hf-adapter" / "mine.txt").read_text() == "keep"
 
 
 # ----------------------------------------------------------------- runs (slow)
@@ -320,6 +365,7 @@ def test_lora_run_checkpoint_export_and_resume(base, lora_run, tmp_path):
     # chat data with validation: a held-out loss after the last step, beside the 3 steps
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [v["validation_step"] for v in validation] == [3] and 0 < validation[0]["loss"] < 100
+    assert 0 < validation[0]["tokens"] < ROWS * 64 // 2  # the masked loss: assistant tokens only
     ckpts = run_dir / "checkpoints"
     # adapter-only: no base weight in the checkpoint; its size against a full one
     saved = read_dcp_model(ckpts / "step-3")

@@ -102,7 +102,7 @@ def test_wheels_alone_list_and_compose_every_first_party_model(tmp_path: Path) -
         pytest.skip("needs the git checkout to list the projects' files")
     wheels = _build_wheels(tmp_path)
     assert {w.name.split("-")[0] for w in wheels} == {
-        "titan_plugins", "titan_deepseek_v3", "titan_llama4", "titan_qwen3"
+        "titan_plugins", "titan_deepseek_v3", "titan_llama3", "titan_llama4", "titan_qwen3"
     }
     site = tmp_path / "site"
     for wheel in wheels:
@@ -117,7 +117,7 @@ def test_wheels_alone_list_and_compose_every_first_party_model(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["core"].startswith(str(site))
-    assert out["models"] == ["deepseek_v3", "llama4", "qwen3"]
+    assert out["models"] == ["deepseek_v3", "llama3", "llama4", "qwen3"]
     assert set(out["plugin_files"]) == {f"{p}.plugin" for p in PROJECTS if p != "titan_plugins"}
     assert all(path.startswith(str(site)) for path in out["plugin_files"].values()), out["plugin_files"]
     assert {"parallelism", "precision", "training", "data", "checkpoint", "metrics"} <= set(out["groups"])

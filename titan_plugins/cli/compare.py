@@ -85,6 +85,10 @@ def run_compare(args) -> int:
     loss_tol, grad_tol, tol_text = _tolerances(args)
     common = [f"training.steps={args.steps}", *runner.DETERMINISTIC]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="titan-compare-"))
+    used = [d for d in ("seed", "baseline", "test") if (workdir / d).exists()]
+    if used:  # an earlier compare's runs would resume or mix their records into this one's
+        raise ConfigError(f"--workdir {workdir}: holds an earlier compare's {used[0]}/ run; give a new "
+                          "or empty folder (its runs would be resumed and their metrics mixed in)")
     workdir.mkdir(parents=True, exist_ok=True)
 
     test_overrides = runner.split_overrides(args.test) + common

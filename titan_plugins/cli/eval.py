@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tasks", required=True, help="comma-separated task names")
     p.add_argument("--limit", type=int, default=None, help="at most N documents per task")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--output", metavar="FILE", help="also write the results JSON here")
+    p.add_argument("--output", metavar="FILE", help="also write the results JSON here (a new file)")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     return p
 
 
@@ -65,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("give either RUN_DIR_OR_CHECKPOINT or --hf DIR")
     if args.hf is not None and not args.model:
         raise ConfigError(f"--hf={args.hf}: --model NAME is required")
+    if args.output and Path(args.output).exists() and not args.overwrite:  # before the long evaluation
+        raise ConfigError(f"--output {args.output}: exists (pass --overwrite to replace it)")
     tasks_dir = Path(args.tasks_dir).resolve()
     if not tasks_dir.is_dir():
         raise ConfigError(f"--tasks-dir={args.tasks_dir}: no such folder")

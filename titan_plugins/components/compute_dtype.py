@@ -35,9 +35,11 @@ def linear(x: torch.Tensor, module: nn.Linear, dtype: torch.dtype | None) -> tor
     Without a cast to make, this calls the module, so forward hooks (e.g. a
     ``parallelize_module`` plan on it) run. With one, it is
     ``F.linear(x.to(dtype), w.to(dtype), b.to(dtype))`` on the module's parameters,
-    which bypasses module hooks: under tensor parallelism hand it DTensor inputs.
+    which bypasses module hooks: under tensor parallelism hand it DTensor inputs. A module
+    with ``computes_in_input_dtype`` (LoRA's, titan_plugins/peft) casts its own weights to
+    its input's dtype: it is called.
     """
-    if dtype is None or module.weight.dtype == dtype:
+    if dtype is None or module.weight.dtype == dtype or getattr(module, "computes_in_input_dtype", False):
         return module(cast(x, dtype))
     bias = None if module.bias is None else cast(module.bias, dtype)
     return F.linear(cast(x, dtype), cast(module.weight, dtype), bias)

@@ -29,6 +29,7 @@ __all__ = [
     "adapter_out_dir",
     "adapter_shapes",
     "export_adapter",
+    "export_hf_folders",
     "export_lora_live",
     "export_merged",
     "read_peft_adapter",
@@ -248,6 +249,17 @@ def adapter_out_dir(out: str | Path) -> Path:
     return out.with_name(out.name + "-adapter")
 
 
+def export_hf_folders(job: Any, out: str | Path) -> list[tuple[Path, str]]:
+    """The folders ``checkpoint.export_hf=true`` writes, with their export kinds:
+    ``out`` (``full``); for a LoRA run ``out`` (``merged``) and ``<out>-adapter``
+    (``peft-adapter``). The pre-launch check claims the same ones."""
+    from titan_plugins.peft.lora import lora_enabled
+
+    if not lora_enabled(job):
+        return [(Path(out), "full")]
+    return [(Path(out), "merged"), (adapter_out_dir(out), "peft-adapter")]
+
+
 def export_lora_live(spec: Any, config: Any, job: Any, state_dict: dict[str, torch.Tensor], out: str | Path,
                      run_dir: str | Path) -> Path:
     """``checkpoint.export_hf=true`` on a LoRA run (rank 0, the gathered live weights:
@@ -263,7 +275,7 @@ def export_lora_live(spec: Any, config: Any, job: Any, state_dict: dict[str, tor
     merged = merge_into(state_dict, adapters, float(job.peft.alpha) / int(job.peft.rank))
     protect = {"the run directory": run_dir}
     written: list[Path] = []
-    for kind, folder in (("merged", Path(out)), ("peft-adapter", adapter_out_dir(out))):
+    for folder, kind in export_hf_folders(job, out):
         target = claim_out_dir(folder, kind, overwrite=True, protect=protect, key="checkpoint.export_hf")
         tmp = staging_dir(target)
         try:

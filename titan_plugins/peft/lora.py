@@ -82,7 +82,22 @@ class LoRAMixin:
 
 
 class LoRALinear(LoRAMixin, nn.Linear):
-    """An ``nn.Linear`` with a LoRA adapter pair (see the module docstring)."""
+    """An ``nn.Linear`` with a LoRA adapter pair (see the module docstring). Computes in
+    its input's dtype: ``components.compute_dtype.linear`` calls it with the input cast
+    to the compute dtype (``precision.compute_dtype``, or ``param_dtype`` on one rank)
+    instead of reading its weight, so the adapter runs under every precision."""
+
+    computes_in_input_dtype = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not (x.is_floating_point() and w.is_floating_point() and x.dtype != w.dtype):
+            return super().forward(x)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        out = F.linear(x, w.to(x.dtype), bias)
+        h = self.lora_dropout(x)
+        delta = F.linear(F.linear(h, self.lora_A.weight.to(x.dtype)), self.lora_B.weight.to(x.dtype))
+        return out + delta * self.scaling
 
 
 _CLASSES: dict[type, type] = {nn.Linear: LoRALinear}

@@ -7,10 +7,11 @@ adapted. A pattern that matches no ``nn.Linear`` is one error line naming a few 
 exist; one that reaches grouped MoE expert weights (3-D parameters, not
 ``nn.Linear``) is refused in one line.
 
-A module whose parent reads its ``weight`` instead of calling it (the MoE router's
-``gate``: ``F.linear(x, gate.weight)``) would never run its adapter. Such a parent
-lists the child in a class attribute ``lora_uncalled = ("gate",)``: ``all-linear``
-leaves it out and a pattern naming it is refused in one line.
+A module whose ancestor reads its ``weight`` instead of calling it (the MoE router's
+``gate`` and the shared experts: ``F.linear(x, w)`` in the MoE forward) would never
+run its adapter. Such an ancestor lists it, by its path below, in a class attribute
+(``lora_uncalled = ("router.gate", "shared_experts.w1", ...)``): ``all-linear`` leaves
+it out and a pattern naming it is refused in one line.
 """
 
 from __future__ import annotations
@@ -97,8 +98,11 @@ def _uncalled(model: nn.Module) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, module in model.named_modules():
         for child in getattr(type(module), "lora_uncalled", ()):
-            if isinstance(getattr(module, child, None), nn.Module):
-                out[canonical_name(f"{name}.{child}" if name else child)] = type(module).__name__
+            try:
+                module.get_submodule(child)
+            except AttributeError:  # an optional child (no shared experts)
+                continue
+            out.setdefault(canonical_name(f"{name}.{child}" if name else child), type(module).__name__)
     return out
 
 

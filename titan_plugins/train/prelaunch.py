@@ -198,9 +198,11 @@ def _check_outputs(job: DictConfig) -> None:
     ckpt = job.checkpoint
     if ckpt.get("export_hf"):
         from titan_plugins.hf.out_dir import claim_out_dir
+        from titan_plugins.peft.export import export_hf_folders  # a LoRA run: merged + adapter
 
-        claim_out_dir(Path(run_dir) / "hf", "full", overwrite=True, key="checkpoint.export_hf=true: folder",
-                      protect={"the run directory": run_dir})
+        for folder, kind in export_hf_folders(job, Path(run_dir) / "hf"):
+            claim_out_dir(folder, kind, overwrite=True, key="checkpoint.export_hf=true: folder",
+                          protect={"the run directory": run_dir})
     if ckpt.get("create_seed"):
         folder = Path(ckpt.folder)
         seed = (folder if folder.is_absolute() else Path(run_dir) / folder) / "seed"

@@ -48,6 +48,7 @@ def _assert_parity(base, test, name: str) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 8 ranks; test_parallelize and the kit cover FSDP/TP/EP
 def test_fsdp4_tp2_ep2_matches_single_rank(workdir: Path, seed: str):
     """8 ranks (dp_shard 4 x tp 2, ep 2 borrowing tp) against one rank that sees the
     same global batch as 4 accumulation microbatches, from one seed checkpoint."""
@@ -60,6 +61,7 @@ def test_fsdp4_tp2_ep2_matches_single_rank(workdir: Path, seed: str):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 8 ranks; PP x TP is covered by qwen3/llama4 parity
 def test_pp2_tp2_ep2_matches_single_rank(workdir: Path, seed: str):
     """fsdp2_tp2_ep2_pp2: 8 ranks, two pipeline stages (the second without
     tok_embeddings, the first without norm / lm_head), 3 steps equal to one rank

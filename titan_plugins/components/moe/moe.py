@@ -60,6 +60,9 @@ class MoE(nn.Module):
     is in ``aux_loss`` after each forward).
     """
 
+    # forward_tokens reads these weights (local_weights), never calls the modules: LoRA leaves them
+    lora_uncalled = ("router.gate", "shared_experts.w1", "shared_experts.w2", "shared_experts.w3")
+
     def __init__(
         self,
         config: MoEConfig,

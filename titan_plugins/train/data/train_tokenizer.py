@@ -13,6 +13,7 @@ tokens (``<|bos|>``, ``<|eos|>`` last; a Hugging Face tokenizer.json made with t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m titan_plugins.train.data.train_tokenizer",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("data", help="a .txt or .jsonl file, or a directory of them")
-    parser.add_argument("--out", required=True, help="where to write tokenizer.json")
+    parser.add_argument("--out", required=True, help="where to write tokenizer.json (a new file)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--text-field", default="text", help="the text key of JSONL records")
     args = parser.parse_args(argv)
@@ -46,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.vocab_size <= 256 + len(SPECIAL_TOKENS):
             raise ConfigError(f"--vocab-size={args.vocab_size} must exceed {256 + len(SPECIAL_TOKENS)} "
                               "(the 256 bytes and the special tokens)")
+        if os.path.exists(args.out) and not args.overwrite:
+            raise ConfigError(f"--out {args.out}: exists (pass --overwrite to replace it)")
         docs = read_documents(args.data, args.text_field)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
