@@ -55,6 +55,7 @@ def test_fsdp2_equals_one_rank_accumulating_two_microbatches(tmp_path, capsys):
     assert "final parameters: max abs diff 0.000e+00" in out
 
 
+@pytest.mark.extended  # ~70 s; FAIL verdicts are covered by test_compare_policy/test_compare_unit
 def test_perturbed_side_fails_naming_first_step_and_import_reproduces(tmp_path, capsys):
     ref = tmp_path / "ref.json"
     plot = tmp_path / "curves.png"

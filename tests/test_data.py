@@ -360,5 +360,5 @@ def test_train_tokenizer_cli_makes_a_tokenizer_a_run_accepts(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"model.vocab_size=256 is smaller than data.tokenizer=.* \(300 ids\)"):
         prepare_job(["model=qwen3", "model.vocab_size=256", *data], pm)
     # Bad input: one line, exit code 2.
-    assert main([str(tmp_path / "missing.txt"), "--out", str(out)]) == 2
+    assert main([str(tmp_path / "missing.txt"), "--out", str(tmp_path / "new.json")]) == 2
     assert capsys.readouterr().err.strip().startswith("error: DATA=")

@@ -114,6 +114,7 @@ def test_generated_python_is_ruff_clean(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~90 s; test_third_party_install covers installing a plugin, the fast scaffold tests its files
 def test_generated_plugin_installs_lists_trains_and_passes_its_tests(tmp_path):
     root, _ = scaffold("scaffoldgpt", tmp_path / "titan-scaffoldgpt")
     site = tmp_path / "site"
