@@ -17,6 +17,7 @@ from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
 
 __all__ = [
+    "rope_from_hf",
     "NO_EFFECT", "Field", "FolderTokens", "HFConfigMap", "check_partial", "hf_model_values", "refuse_dropped",
     "read_hf_config", "tokenizer_path", "yaml_defaults",
 ]
@@ -247,3 +248,39 @@ def refuse_dropped(key: str, value: Any, arch: str, why: str) -> None:
             f"{key}: the trained {why} has no place in {arch}; the exported model would "
             f"differ from the trained one (max |value| {float(full.abs().max()):.3g})"
         )
+
+
+_LLAMA3_ROPE = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def rope_from_hf(hf: dict[str, Any], *, default_theta: float, plugin: str, prefix: str = "") -> dict[str, Any]:
+    """``{"rope_theta", "rope_scaling"}`` of the core's RoPE (components) from config.json:
+    ``rope_parameters`` (transformers 5) or ``rope_scaling`` + ``rope_theta`` (4.x files),
+    rope type ``default`` or ``llama3``; any other type or field is one error line naming it
+    (``prefix``: where the fields sit, e.g. ``text_config.``)."""
+    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = dict(hf.get(key) or {})
+    theta = rope.pop("rope_theta", None)
+    theta = float(theta if theta is not None else hf.get("rope_theta") or default_theta)
+    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
+    where = f"config.json: {prefix}{key}"
+    out: dict[str, Any] = {"rope_theta": theta}
+    if rope_type == "default":
+        out["rope_scaling"] = {"enabled": False}
+    elif rope_type == "llama3":
+        missing = [f for f in _LLAMA3_ROPE if rope.get(f) is None]
+        if missing:
+            raise ConfigError(f"{where}.{missing[0]}=None: rope_type 'llama3' needs it")
+        out["rope_scaling"] = {
+            "enabled": True, "scaling_factor": float(rope.pop("factor")),
+            "low_freq_factor": float(rope.pop("low_freq_factor")),
+            "high_freq_factor": float(rope.pop("high_freq_factor")),
+            "original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
+        }
+    else:
+        raise ConfigError(f"{where}.rope_type={rope_type!r}: the {plugin} plugin implements default and llama3 RoPE")
+    if rope:
+        field = next(iter(rope))
+        raise ConfigError(f"{where}.{field}={rope[field]!r}: not implemented by the {plugin} plugin")
+    return out
+

@@ -14,7 +14,7 @@ from typing import Any
 
 from titan_llama3.config import FLAVORS, Llama3Config
 from titan_plugins.errors import ConfigError
-from titan_plugins.hf.config import Field, HFConfigMap
+from titan_plugins.hf.config import Field, HFConfigMap, rope_from_hf
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -48,31 +48,7 @@ def _bad(field: str, value: Any, why: str) -> ConfigError:
 
 
 def _rope(hf: dict[str, Any]) -> dict[str, Any]:
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = dict(hf.get(key) or {})
-    theta = rope.pop("rope_theta", None)
-    theta = float(theta if theta is not None else hf.get("rope_theta") or _DEFAULT_THETA)
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    out: dict[str, Any] = {"rope_theta": theta}
-    if rope_type == "default":
-        out["rope_scaling"] = {"enabled": False}
-    elif rope_type == "llama3":
-        fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [f for f in fields if rope.get(f) is None]
-        if missing:
-            raise _bad(f"{key}.{missing[0]}", None, "rope_type 'llama3' needs it")
-        out["rope_scaling"] = {
-            "enabled": True, "scaling_factor": float(rope.pop("factor")),
-            "low_freq_factor": float(rope.pop("low_freq_factor")),
-            "high_freq_factor": float(rope.pop("high_freq_factor")),
-            "original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
-        }
-    else:
-        raise _bad(f"{key}.rope_type", rope_type, "the llama3 plugin implements default and llama3 RoPE")
-    if rope:
-        field = next(iter(rope))
-        raise _bad(f"{key}.{field}", rope[field], "not implemented by the llama3 plugin")
-    return out
+    return rope_from_hf(hf, default_theta=_DEFAULT_THETA, plugin="llama3")
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from typing import Any
 from titan_llama4.config import FLAVORS, Llama4Config
 from titan_plugins.components.moe.config import MoEConfig
 from titan_plugins.errors import ConfigError
-from titan_plugins.hf.config import Field, HFConfigMap
+from titan_plugins.hf.config import Field, HFConfigMap, rope_from_hf
 
 __all__ = ["config_from_hf", "config_to_hf"]
 
@@ -100,31 +100,7 @@ def _sizes(dim: int, top_k: int, dense: int, expert: int) -> dict[str, Any]:
 
 
 def _rope(hf: dict[str, Any], name: str) -> dict[str, Any]:
-    """rope_parameters (transformers 5) or rope_scaling + rope_theta (4.x files)."""
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    theta = float(rope.pop("rope_theta", hf.get("rope_theta") or _DEFAULT_THETA))
-    rope_type = rope.pop("rope_type", rope.pop("type", "default"))
-    out: dict[str, Any] = {"rope_theta": theta}
-    if rope_type == "default":
-        out["rope_scaling"] = {"enabled": False}
-    elif rope_type == "llama3":
-        fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        missing = [f for f in fields if rope.get(f) is None]
-        if missing:
-            raise _bad(f"{name}{key}.{missing[0]}", None, "llama3 RoPE scaling needs it")
-        out["rope_scaling"] = {
-            "enabled": True, "scaling_factor": float(rope.pop("factor")),
-            "low_freq_factor": float(rope.pop("low_freq_factor")),
-            "high_freq_factor": float(rope.pop("high_freq_factor")),
-            "original_max_position_embeddings": int(rope.pop("original_max_position_embeddings")),
-        }
-    else:
-        raise _bad(f"{name}{key}.rope_type", rope_type, "the llama4 plugin implements default and llama3 RoPE")
-    if rope:
-        field = next(iter(rope))
-        raise _bad(f"{name}{key}.{field}", rope[field], "not implemented by the llama4 plugin")
-    return out
+    return rope_from_hf(hf, default_theta=_DEFAULT_THETA, plugin="llama4", prefix=name)
 
 
 def config_from_hf(hf_config: dict[str, Any]) -> dict[str, Any]:
