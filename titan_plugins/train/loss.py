@@ -10,11 +10,32 @@ import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "GlobalTokenLoss", "count_tokens"]
+__all__ = ["IGNORE_INDEX", "GlobalTokenLoss", "count_tokens", "token_loss_sum", "token_nll"]
 
 
 def count_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
+
+
+def token_loss_sum(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of the token cross-entropies (fp32) over the positions whose label counts.
+
+    ``output`` is what the model's last part returned. Objectives compute their losses
+    only through this function and :func:`token_nll`, never from logits directly, so
+    that how the logits are produced (whole, or in chunks fused with the head) stays
+    this module's business."""
+    return F.cross_entropy(
+        output.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
+
+
+def token_nll(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy ``[batch, seq]`` in fp32, 0 where the label is
+    ``IGNORE_INDEX`` (the negative token log-probabilities preference losses sum)."""
+    nll = F.cross_entropy(
+        output.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
+    )
+    return nll.view(labels.shape)
 
 
 class GlobalTokenLoss:
@@ -28,7 +49,4 @@ class GlobalTokenLoss:
         self.global_tokens: float = 1.0
 
     def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(
-            logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
-        )
-        return loss / self.global_tokens
+        return token_loss_sum(logits, labels) / self.global_tokens
