@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from titan_plugins import hookimpl
+from titan_plugins import API_VERSION, hookimpl
 from titan_plugins.cli import plugins_cmd
 from titan_plugins.cli.help import format_help
 from titan_plugins.plugins import get_plugin_manager
@@ -43,7 +43,7 @@ def test_list_json(toy_env: Any, capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["list", "--json"], capsys)
     assert code == 0
     data = json.loads(out)
-    assert data["core"]["dist"] == "titan-plugins" and data["core"]["api"] == "1.0"
+    assert data["core"]["dist"] == "titan-plugins" and data["core"]["api"] == API_VERSION
     (toy,) = [p for p in data["plugins"] if p["name"] == "toy_plugin"]
     assert toy["dist"] == "<extra>" and toy["error"] is None and toy["builtin"] is False
     assert toy["hooks"] == ["titan_register_datasets", "titan_register_models"]

@@ -201,11 +201,59 @@ def test_register_hook_that_raises_or_registers_garbage(pm: Any) -> None:
 
 
 def test_api_version_mismatch(pm: Any) -> None:
+    from titan_plugins import API_VERSION
+
     future = toy_plugin.make_plugin("titan_fake_future", models=("future",), TITAN_PLUGINS_API=">=2.0")
     pm.add_plugin(future, dist="titan-future", version="3")
     (line,) = pm.errors
-    assert "needs titan-plugins API >=2.0, this core provides 1.0" in line
+    assert f"needs titan-plugins API >=2.0, this core provides {API_VERSION}" in line
     assert "future" not in pm.models()
+
+
+_FUTURE_PLUGIN = """
+from titan_plugins import hookimpl
+from titan_plugins import NameOnlyAFutureCoreHas  # would fail here with an ImportError
+TITAN_PLUGINS_API = ">=7.0,<8"
+"""
+
+
+def test_api_range_refused_before_import(clean_env: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """A plugin written for another API is refused with the version line, read from its
+    source, before its module runs (running it would fail with an unrelated ImportError)."""
+    from titan_plugins import API_VERSION
+
+    (tmp_path / "titan_fake_future_pkg.py").write_text(_FUTURE_PLUGIN)
+    clean_env.syspath_prepend(str(tmp_path))
+    manager = get_plugin_manager(autoload=False)
+    manager.load_entrypoints([(ep("future", "titan_fake_future_pkg"), FakeDist("titan-future", "9.0"))])
+    (line,) = manager.errors
+    assert line == (
+        "plugin 'future' (titan_fake_future_pkg) from titan-future==9.0 failed to load: "
+        f"PluginLoadError: needs titan-plugins API >=7.0,<8, this core provides {API_VERSION}"
+    )
+    assert "titan_fake_future_pkg" not in sys.modules
+    assert manager.infos["future"].api == ">=7.0,<8"
+    with pytest.raises(PluginLoadError, match="needs titan-plugins API >=7.0,<8"):
+        manager.raise_on_errors()
+
+
+def test_api_range_unparsable(pm: Any) -> None:
+    odd = toy_plugin.make_plugin("titan_fake_odd", models=("odd",), TITAN_PLUGINS_API="one-point-oh")
+    pm.add_plugin(odd, dist="titan-odd", version="1")
+    (line,) = pm.errors
+    assert "declares TITAN_PLUGINS_API = 'one-point-oh', which is not a version range" in line
+    assert "odd" not in pm.models()
+
+
+def test_api_range_shown_by_titan_run_list(capsys: pytest.CaptureFixture[str]) -> None:
+    from titan_plugins import API_VERSION
+    from titan_plugins.cli.run import main
+
+    assert main(["--list"]) == 0
+    out = capsys.readouterr().out
+    assert f"(plugin API {API_VERSION})" in out.splitlines()[0]
+    block = out.split("\nqwen3  ", 1)[1]
+    assert block.splitlines()[1].strip() == "api:      >=1.0,<2"
 
 
 def test_bad_searchpath_entry(pm: Any) -> None:

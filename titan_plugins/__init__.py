@@ -14,8 +14,10 @@ from titan_plugins.protocols import (
 from titan_plugins.spec import Capabilities, DatasetSpec, ModelSpec, PipelineInfo, resolve
 
 __version__ = "0.1.0"
-# The plugin API version: a plugin declares the range it supports (see docs).
-API_VERSION = "1.0"
+# The plugin API version: a plugin declares the range it supports (docs/writing-a-plugin.md,
+# "Versioning"). 1.1: objectives (the `titan_plugins.objectives` entry-point group) and the
+# shared decoder components joined the contract; nothing was removed.
+API_VERSION = "1.1"
 
 __all__ = [
     "API_VERSION",

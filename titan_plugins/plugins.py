@@ -13,8 +13,10 @@ turns the first into a ``PluginLoadError`` (strict mode, used for training).
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.metadata as metadata
+import importlib.util
 import os
 import sys
 from collections.abc import Iterable, Iterator
@@ -73,6 +75,7 @@ class PluginInfo:
     models: list[str] = field(default_factory=list)
     datasets: list[str] = field(default_factory=list)
     searchpath: list[str] = field(default_factory=list)
+    api: str | None = None  # the TITAN_PLUGINS_API range the plugin declares (None: undeclared)
     model_specs: list[ModelSpec] = field(default_factory=list, repr=False)
     dataset_specs: list[DatasetSpec] = field(default_factory=list, repr=False)
     # The manager's records (the same list, not a copy): ``error`` reads this plugin's.
@@ -104,6 +107,39 @@ def api_version_matches(requirement: str) -> bool:
     except InvalidSpecifier:
         raise ValueError(f"cannot parse API requirement {requirement!r}") from None
     return spec.contains(_api_version())
+
+
+def api_mismatch(requirement: str) -> str | None:
+    """The one-line reason a plugin declaring ``requirement`` is refused (``None``: accepted)."""
+    try:
+        if api_version_matches(requirement):
+            return None
+    except ValueError:
+        return (f"declares TITAN_PLUGINS_API = {requirement!r}, which is not a version range "
+                f"(write e.g. \">=1.0,<2\"); this core provides API {_api_version()}")
+    return f"needs titan-plugins API {requirement}, this core provides {_api_version()}"
+
+
+def declared_api_range(module_name: str) -> str | None:
+    """``TITAN_PLUGINS_API`` as the plugin module's source assigns it, read without running
+    the module: a plugin written for another API may not even import against this core
+    (a name it imports was removed), and it must be refused with the version line, not with
+    that ImportError. ``None`` when the source cannot be found or assigns no string."""
+    try:
+        spec = importlib.util.find_spec(module_name)
+        origin = spec.origin if spec is not None else None
+        if not origin or not origin.endswith(".py"):
+            return None
+        with open(origin, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read(), filename=origin)
+    except Exception:  # not ours to report here: loading the module reports it
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "TITAN_PLUGINS_API" for t in node.targets
+        ) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            return node.value.value
+    return None
 
 
 class TitanPluginManager(pluggy.PluginManager):
@@ -150,10 +186,10 @@ class TitanPluginManager(pluggy.PluginManager):
         self._collected = None
         try:
             requirement = getattr(plugin, "TITAN_PLUGINS_API", None)
-            if requirement and not api_version_matches(requirement):
-                raise PluginLoadError(
-                    f"needs titan-plugins API {requirement}, this core provides {_api_version()}"
-                )
+            info.api = requirement
+            reason = api_mismatch(requirement) if requirement else None
+            if reason:
+                raise PluginLoadError(reason)
             self.register(plugin, name=name)
             self._check_unknown_hooks(plugin)
         except Exception as exc:  # a broken plugin must not take the others down
@@ -240,10 +276,20 @@ class TitanPluginManager(pluggy.PluginManager):
                     f"the plugin name {ep.name!r} is already taken by {other.dist}=={other.version}"
                     f" ({other.module}); rename one entry point or block one with {ENV_BLOCK}"))
                 continue
+            # The API range is checked before the module runs (see declared_api_range).
+            declared = declared_api_range(str(ep.value).split(":", 1)[0].strip())
+            reason = api_mismatch(declared) if declared else None
+            if reason:
+                info = self._info(ep.name, ep.value, dist_name, version)
+                info.api = declared
+                self.infos[ep.name] = info
+                self._fail(info, PluginLoadError(reason))
+                continue
             try:
                 plugin = ep.load()
             except Exception as exc:  # a broken plugin must not take the others down
                 info = self._info(ep.name, ep.value, dist_name, version)
+                info.api = declared
                 self.infos[ep.name] = info
                 self._fail(info, exc)
                 continue

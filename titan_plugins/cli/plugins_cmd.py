@@ -87,6 +87,7 @@ def gather(pm: TitanPluginManager) -> dict[str, Any]:
             "dist": info.dist,
             "version": info.version,
             "builtin": info.builtin,
+            "api": info.api,
             "hooks": _hooks_of(pm, info.plugin),
             "models": [_model_entry(spec) for spec in info.model_specs],
             "datasets": [spec.name for spec in info.dataset_specs],
@@ -123,6 +124,8 @@ def run_list(args: argparse.Namespace, pm: TitanPluginManager) -> int:
         status = "FAILED" if p["error"] else "ok"
         out.append("")
         out.append(f"{p['name']}  {p['dist']}=={p['version']}  ({p['module']})  [{status}]")
+        if not p["builtin"]:
+            out.append(f"  api:      {p['api'] or 'undeclared (no TITAN_PLUGINS_API: any core is assumed to fit)'}")
         if p["hooks"]:
             out.append(f"  hooks:    {', '.join(p['hooks'])}")
         for m in p["models"]:

@@ -3,6 +3,7 @@
     titan-run model=NAME [parallelism=P] [precision=Q] [key=value ...]
     titan-run -m model=a,b parallelism=x,y precision=p,q     # a sweep + summary table
     titan-run --help | --hydra-help | --info searchpath | --cfg job
+    titan-run --list [--all] [--json]                         # installed plugins, their API ranges
     titan-run ... --json                                      # with plan=true: JSON output
 
 Every user error ends as one ``error: ...`` line with exit code 2, before any
@@ -179,11 +180,18 @@ def _main(argv: list[str]) -> int:
     from titan_plugins.config.hydra_glue import normalize_overrides
     from titan_plugins.plugins import get_plugin_manager
 
-    if "--json" in argv:
+    if "--json" in argv and "--list" not in argv:
         argv = [a for a in argv if a != "--json"] + ["plan.json=true"]
     if "--help" in argv or "-h" in argv:
         print(_usage(get_plugin_manager()), end="")
         return 0
+    if "--list" in argv:  # what `titan-plugins list` prints: lenient, broken plugins shown
+        import argparse
+
+        from titan_plugins.cli.plugins_cmd import run_list
+
+        flags = argparse.Namespace(json="--json" in argv, all="--all" in argv)
+        return run_list(flags, get_plugin_manager())
     argv = normalize_overrides(argv)
     pm = get_plugin_manager(strict=True)
     _slurm_to_torchrun_env()
