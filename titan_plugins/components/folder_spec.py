@@ -11,25 +11,21 @@ Torch-free: a plugin module imports this while ``titan-plugins list`` runs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from titan_plugins.hookspecs import hookimpl
 from titan_plugins.spec import Capabilities, ModelSpec, PipelineInfo
 
-__all__ = ["LOAD_BALANCE_HOOKS", "folder_spec"]
+__all__ = ["LOAD_BALANCE_HOOKS", "folder_hooks", "folder_spec"]
 
 # The MoE components' aux-loss-free balancing (``titan_plugins.components.moe``).
 LOAD_BALANCE_HOOKS = "titan_plugins.components.moe:build_load_balance_hooks"
 
 
 def folder_spec(
-    name: str,
-    package: str,
-    *,
-    config: str,
-    adapter: str,
-    description: str,
-    moe: bool,
-    hf: bool = True,
-    output: str = "output",
-    stage_inputs: str | None = "stage_inputs",
+    name: str, package: str, *, config: str, adapter: str, description: str, moe: bool,
+    hf: bool = True, output: str = "output", stage_inputs: str | None = "stage_inputs",
     capabilities: Capabilities | None = None,
 ) -> ModelSpec:
     """The spec of model ``name`` whose code lives in the folder ``package``.
@@ -66,3 +62,26 @@ def folder_spec(
         capabilities=capabilities or Capabilities(fsdp=True, tp=True, ep=moe, pp=True),
         description=description,
     )
+
+
+def folder_hooks(name: str, package: str, **spec: Any) -> tuple[Callable[..., None], Callable[[], str]]:
+    """The two hookimpls of a model-folder plugin: ``titan_register_models`` registering
+    ``folder_spec(name, package, **spec)`` and ``titan_config_searchpath`` returning
+    ``pkg://<package>.conf``. Assign them to those names in the plugin module::
+
+        TITAN_PLUGINS_API = ">=1.0,<2"
+        titan_register_models, titan_config_searchpath = folder_hooks(
+            "mymodel", "my_model", config="MyConfig", adapter="MyAdapter", moe=False,
+            description="...")
+    """
+    model = folder_spec(name, package, **spec)
+
+    @hookimpl
+    def titan_register_models(register: Callable[[ModelSpec], None]) -> None:
+        register(model)
+
+    @hookimpl
+    def titan_config_searchpath() -> str:
+        return f"pkg://{package}.conf"
+
+    return titan_register_models, titan_config_searchpath

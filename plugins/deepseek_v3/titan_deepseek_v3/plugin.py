@@ -1,24 +1,10 @@
-"""titan-plugins entry point for DeepSeek-V3. Light: imports no torch.
+"""titan-plugins entry point for DeepSeek-V3 (a shared model-folder layout). Light: no torch."""
 
-The folder layout (config, model, parallelize, adapters) is the shared one; see
-``titan_plugins.components.folder_spec``.
-"""
-
-from titan_plugins import hookimpl
-from titan_plugins.components.folder_spec import folder_spec
+from titan_plugins.components.folder_spec import folder_hooks
 
 TITAN_PLUGINS_API = ">=1.0,<2"
-
-
-@hookimpl
-def titan_register_models(register):
-    register(folder_spec(
-        "deepseek_v3", "titan_deepseek_v3", config="DeepSeekV3Config", adapter="DeepSeekV3StateDictAdapter", moe=True,
-        output="lm_head", stage_inputs=None,  # one causal mask: nothing per stage
-        description="DeepSeek-V3: Multi-head Latent Attention + MoE (TorchTitan's definition)",
-    ))
-
-
-@hookimpl
-def titan_config_searchpath():
-    return "pkg://titan_deepseek_v3.conf"
+titan_register_models, titan_config_searchpath = folder_hooks(
+    "deepseek_v3", "titan_deepseek_v3", config="DeepSeekV3Config", adapter="DeepSeekV3StateDictAdapter", moe=True,
+    output="lm_head", stage_inputs=None,  # one causal mask: nothing to hand each stage
+    description="DeepSeek-V3: Multi-head Latent Attention + MoE (TorchTitan's definition)",
+)

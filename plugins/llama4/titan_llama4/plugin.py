@@ -1,23 +1,9 @@
-"""titan-plugins entry point for Llama 4. Light: imports no torch.
+"""titan-plugins entry point for Llama 4 (a shared model-folder layout). Light: no torch."""
 
-The folder layout (config, model, parallelize, adapters) is the shared one; see
-``titan_plugins.components.folder_spec``.
-"""
-
-from titan_plugins import hookimpl
-from titan_plugins.components.folder_spec import folder_spec
+from titan_plugins.components.folder_spec import folder_hooks
 
 TITAN_PLUGINS_API = ">=1.0,<2"
-
-
-@hookimpl
-def titan_register_models(register):
-    register(folder_spec(
-        "llama4", "titan_llama4", config="Llama4Config", adapter="Llama4StateDictAdapter", moe=True,
-        description="Llama 4 (interleaved MoE, iRoPE), TorchTitan 0.2.2 numerics",
-    ))
-
-
-@hookimpl
-def titan_config_searchpath():
-    return "pkg://titan_llama4.conf"
+titan_register_models, titan_config_searchpath = folder_hooks(
+    "llama4", "titan_llama4", config="Llama4Config", adapter="Llama4StateDictAdapter", moe=True,
+    description="Llama 4 (interleaved MoE, iRoPE), TorchTitan 0.2.2 numerics",
+)
