@@ -12,7 +12,7 @@ from titan_plugins.hookspecs import hookimpl
 from titan_plugins.spec import DatasetSpec
 
 _SOURCES = "titan_plugins.train.data.sources"
-_CHECK = "titan_plugins.train.data.stream:check_data_source"  # before launch
+_CHECK = "titan_plugins.train.data.check:check_data_source"  # before launch
 DATASETS = (
     DatasetSpec(
         name="builtin",

@@ -24,7 +24,7 @@ conversation with no assistant turn, or with no target left after truncation, is
 skipped. All of these are counted (``stats``: ``conversations``, ``truncated``,
 ``dropped``, ``no_assistant``, ``no_target``) and the run summary reports them.
 
-Streaming, sharding and resume are the streaming sources' (``stream.StreamingTokenDataset``):
+Streaming, sharding and resume are the streaming sources' (``streaming.StreamingTokenDataset``):
 units from metadata, one stream per row of the global batch, the state a few integers,
 the pending row and the counts per stream; a resume re-reads one batch of rows.
 """
@@ -39,16 +39,15 @@ from typing import Any
 import torch
 
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.stream import (
-    StreamingTokenDataset,
+from titan_plugins.train.data.streaming import StreamingTokenDataset, fresh_stream_state
+from titan_plugins.train.data.units import (
     Unit,
-    _decode,
-    _files,
-    _fresh,
-    _get,
-    _lines,
-    _open_hf,
+    cfg_get,
+    decode_line,
+    open_hf,
     plan_units,
+    source_files,
+    unit_lines,
 )
 from titan_plugins.train.loss import IGNORE_INDEX
 
@@ -85,7 +84,7 @@ def chat_kind(path: str | None) -> str:
 
 def _chat_settings(data_config: Any) -> dict[str, Any]:
     """The picklable ``data.chat`` settings and the tokenizer folder."""
-    chat = _get(data_config, "chat") or {}
+    chat = cfg_get(data_config, "chat") or {}
     if hasattr(chat, "items") and not isinstance(chat, dict):  # a DictConfig
         from omegaconf import OmegaConf
 
@@ -99,19 +98,19 @@ def _chat_settings(data_config: Any) -> dict[str, Any]:
     settings["overlong"] = overlong
     settings["pack"] = bool(settings.get("pack", True))
     settings["train_on"] = settings.get("train_on") or "assistant"
-    settings["tokenizer_dir"] = _get(data_config, "tokenizer") or str(CHAT_TOKENIZER)
+    settings["tokenizer_dir"] = cfg_get(data_config, "tokenizer") or str(CHAT_TOKENIZER)
     return settings
 
 
 def read_rows(kind: str, unit: Unit, hf_ds: Any = None) -> Iterator[tuple[Mapping, str]]:
     """The unit's rows as ``(row, where)``; ``where`` names the file and row for errors."""
     if kind == "jsonl":
-        for k, line in _lines(unit):
+        for k, line in unit_lines(unit):
             if not line.strip():
                 continue
             where = f"{unit.path}:{k + 1}" if unit.start == 0 else f"{unit.path} (line {k + 1} after byte {unit.start})"
             try:
-                row = json.loads(_decode(line, unit))
+                row = json.loads(decode_line(line, unit))
             except ValueError as exc:
                 raise ConfigError(f"{where}: not valid JSON ({exc})") from None
             yield row, where
@@ -134,7 +133,7 @@ class ChatDataset(StreamingTokenDataset):
     def __init__(self, data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int,
                  num_workers: int, seq_len: int, seed: int, chat: Mapping[str, Any] | None = None) -> None:
         self.chat = dict(chat) if chat is not None else _chat_settings(data_config)
-        kind = chat_kind(_get(data_config, "path"))
+        kind = chat_kind(cfg_get(data_config, "path"))
         super().__init__(data_config, kind, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
                          num_workers=num_workers, seq_len=seq_len, seed=seed)
         from titan_plugins.chat.formats import ChatFields
@@ -159,11 +158,11 @@ class ChatDataset(StreamingTokenDataset):
         return {**super().identity(), "chat": {k: self.chat.get(k) for k in keys}}
 
     def _fresh(self) -> dict[str, Any]:
-        return {**_fresh(), "stats": dict.fromkeys(STATS, 0), "pending": dict.fromkeys(STATS, 0)}
+        return {**fresh_stream_state(), "stats": dict.fromkeys(STATS, 0), "pending": dict.fromkeys(STATS, 0)}
 
     def _records(self, unit: Unit) -> Iterator[Any]:
         if self.kind == "hf" and self._hf is None:
-            self._hf = _open_hf(self.cfg.path, self.cfg.split)
+            self._hf = open_hf(self.cfg.path, self.cfg.split)
         return read_rows(self.kind, unit, self._hf)
 
     # ----------------------------------------------------------- encoding
@@ -232,7 +231,7 @@ def build_chat(data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int,
     """The ``data.name=chat`` builder (the DatasetSpec contract)."""
     check_chat_source(data_config, tokenizer)
     return ChatDataset(data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world,
-                       num_workers=int(_get(data_config, "num_workers", 0) or 0), seq_len=seq_len, seed=seed)
+                       num_workers=int(cfg_get(data_config, "num_workers", 0) or 0), seq_len=seq_len, seed=seed)
 
 
 def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) -> None:
@@ -244,12 +243,12 @@ def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) ->
 
     ChatFields.from_config(settings)
     template = load_chat_template(settings.get("template"), settings["tokenizer_dir"])
-    kind = chat_kind(_get(data_config, "path"))
+    kind = chat_kind(cfg_get(data_config, "path"))
     from types import SimpleNamespace
 
-    cfg = SimpleNamespace(path=_get(data_config, "path"), split=_get(data_config, "split", "train"))
+    cfg = SimpleNamespace(path=cfg_get(data_config, "path"), split=cfg_get(data_config, "split", "train"))
     if kind != "hf":
-        for f in _files(cfg, kind):
+        for f in source_files(cfg, kind):
             if f.stat().st_size == 0:
                 raise ConfigError(f"data.path: {f} is empty")
     units = plan_units(cfg, kind, 1)
@@ -263,7 +262,7 @@ def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) ->
     from titan_plugins.chat.formats import NoAssistantTurn, to_messages
 
     fields = ChatFields.from_config(settings)
-    hf_ds = _open_hf(cfg.path, cfg.split) if kind == "hf" else None
+    hf_ds = open_hf(cfg.path, cfg.split) if kind == "hf" else None
     for _, (row, where) in zip(range(rows), read_rows(kind, units[0], hf_ds)):
         try:
             messages = to_messages(row, fields, where=where)
@@ -286,13 +285,13 @@ def sample_config(data_config: Any) -> Any:
     from types import SimpleNamespace
 
     keys = ("split", "num_workers", "prefetch_factor", "chat")
-    cfg = SimpleNamespace(**{k: _get(data_config, k) for k in keys})
+    cfg = SimpleNamespace(**{k: cfg_get(data_config, k) for k in keys})
     cfg.name = "chat"
-    split = _get(data_config, "split", "train")
-    if not _get(data_config, "path") and split not in CHAT_SAMPLE_SPLITS:
+    split = cfg_get(data_config, "split", "train")
+    if not cfg_get(data_config, "path") and split not in CHAT_SAMPLE_SPLITS:
         raise ConfigError(f"data.split={split!r}: the chat sample has the splits 'train' and 'validation'")
-    cfg.path = _get(data_config, "path") or str(CHAT_SAMPLE_SPLITS[split])
-    cfg.tokenizer = _get(data_config, "tokenizer") or str(CHAT_TOKENIZER)
+    cfg.path = cfg_get(data_config, "path") or str(CHAT_SAMPLE_SPLITS[split])
+    cfg.tokenizer = cfg_get(data_config, "tokenizer") or str(CHAT_TOKENIZER)
     cfg.text_field = "text"
     return cfg
 

@@ -18,6 +18,7 @@ import torch
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import DatasetSpec, resolve
 from titan_plugins.suggest import did_you_mean
+from titan_plugins.train.data.batch import Batch
 
 
 def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
@@ -28,23 +29,6 @@ def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
         f"data.name={name!r} is not a registered dataset{did_you_mean(name, datasets)} "
         f"(choose from: {', '.join(sorted(datasets)) or 'none'})"
     )
-
-
-class Batch(tuple):
-    """``(input_ids, labels)`` that unpacks as a pair and may carry ``doc_ids``
-    (``[batch, seq_len]`` document index per token, for packed conversations; None
-    where documents are found from the tokens, as in pre-training)."""
-
-    doc_ids: torch.Tensor | None
-
-    def __new__(cls, inputs: torch.Tensor, labels: torch.Tensor,
-                doc_ids: torch.Tensor | None = None) -> Batch:
-        batch = super().__new__(cls, (inputs, labels))
-        batch.doc_ids = doc_ids
-        return batch
-
-    def __reduce__(self) -> Any:
-        return (Batch, (self[0], self[1], self.doc_ids))
 
 
 class DataLoader:
@@ -116,7 +100,7 @@ def build_dataloader(
     if hasattr(dataset, "set_layout"):  # streaming: one stream per row of the global batch
         dataset.set_layout(local_batch_size, grad_accum_steps)
     if isinstance(dataset, torch.utils.data.IterableDataset):  # streaming: torchdata workers
-        from titan_plugins.train.data.stream import StreamingLoader
+        from titan_plugins.train.data.stateful_loader import StreamingLoader
 
         workers = int(getattr(data_config, "num_workers", 0) or 0)
         prefetch = int(getattr(data_config, "prefetch_factor", 2) or 2)

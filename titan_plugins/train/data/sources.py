@@ -28,6 +28,9 @@ from titan_plugins.errors import ConfigError
 from titan_plugins.train.data.packing import PackedTokenDataset, SyntheticTokenDataset
 from titan_plugins.train.data.tokenizer import ASSETS, Tokenizer
 
+# find_files lived here before; the tokenizer trainer and users import it from here
+from titan_plugins.train.data.units import find_files as find_files
+
 CORPUS = ASSETS / "corpus.jsonl"
 CORPUS_TOKENS = ASSETS / "corpus_tokens.npz"  # the corpus encoded with the shipped tokenizer
 
@@ -103,22 +106,6 @@ def builtin_split(tokens: np.ndarray, split: str) -> np.ndarray:
 
 
 # ------------------------------------------------------------------- files
-def find_files(path: str | None, suffixes: tuple[str, ...], name: str, key: str = "data.path") -> list[Path]:
-    """``path`` itself if it is a file, else the files under it ending in ``suffixes``;
-    errors name ``key`` (the setting or argument that gave the path)."""
-    if not path:
-        raise ConfigError(f"data.name={name} needs {key} (a file or a directory)")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"{key}={path!r} does not exist")
-    if p.is_file():
-        return [p]
-    files = sorted(f for f in p.rglob("*") if f.is_file() and f.name.endswith(suffixes))
-    if not files:
-        raise ConfigError(f"{key}={path!r} holds no {'/'.join(suffixes)} files")
-    return files
-
-
 def _files_key(files: list[Path], *extra: str) -> str:
     stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     return json.dumps([stats, *extra])
@@ -224,7 +211,7 @@ def build_text(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.txt`` file, or every ``.txt`` file under a directory (one document each), streamed."""
-    from titan_plugins.train.data.stream import build_streaming
+    from titan_plugins.train.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "text",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -234,7 +221,7 @@ def build_jsonl(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.jsonl`` file (or every one under a directory); ``data.text_field`` per line, streamed."""
-    from titan_plugins.train.data.stream import build_streaming
+    from titan_plugins.train.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "jsonl",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -244,7 +231,7 @@ def build_parquet(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.parquet`` file (or every one under a directory), row group by row group."""
-    from titan_plugins.train.data.stream import build_streaming
+    from titan_plugins.train.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "parquet",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -255,7 +242,7 @@ def build_hf(
 ) -> Any:
     """A local Hugging Face dataset (memory-mapped Arrow, read in row ranges);
     ``data.split`` and ``data.text_field`` pick the text."""
-    from titan_plugins.train.data.stream import build_streaming
+    from titan_plugins.train.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "hf",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -265,7 +252,7 @@ def build_mix(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """``data.mix``: several streaming sources, each sample drawn by weight."""
-    from titan_plugins.train.data.stream import build_mix as build
+    from titan_plugins.train.data.mix import build_mix as build
 
     return build(data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
 
