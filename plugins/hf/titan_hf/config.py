@@ -1,0 +1,156 @@
+"""The ``model=hf`` schema, its test flavors, and config.json <-> schema.
+
+Torch-free and transformers-free (``titan-plugins list`` imports it). The schema types
+the numbers the core and users touch (``vocab_size``, ``dim``, ``n_layers``, heads,
+tying) and carries the rest of config.json unchanged in ``hf_config``; the builder hands
+the two, merged, to ``AutoConfig.for_model``. One source of truth: the typed fields are
+read from config.json by :func:`config_from_hf`, flavors included.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["EAGER_ONLY", "FLAVORS", "SUPPORTED", "AttnImpl", "HFModelConfig", "config_from_hf", "config_to_hf", "hf_dict"]
+
+#: The architectures whose numerics are tested against transformers (step-1 loss within
+#: 1e-5 fp32), by ``architectures[0]`` of config.json, with their ``model_type``.
+SUPPORTED: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
+    "GptOssForCausalLM": "gpt_oss",
+}
+#: Architectures transformers runs with eager attention only (no SDPA path).
+EAGER_ONLY = frozenset({"GptOssForCausalLM"})
+
+
+class AttnImpl(str, Enum):
+    """transformers' attention kernels that run on every device (CPU included)."""
+
+    sdpa = "sdpa"
+    eager = "eager"
+
+
+@dataclass(kw_only=True)
+class HFModelConfig:
+    """A transformers causal LM. Every field but ``attn_implementation`` comes from
+    config.json (``model.hf``) or a flavor; an override replaces config.json's value."""
+
+    architecture: str = ""  # config.json architectures[0]; "" = no folder given yet
+    vocab_size: int = 0  # vocab_size
+    dim: int = 0  # hidden_size
+    n_layers: int = 0  # num_hidden_layers
+    n_heads: int = 0  # num_attention_heads
+    n_kv_heads: int = 0  # num_key_value_heads
+    enable_weight_tying: bool = False  # tie_word_embeddings
+    attn_implementation: AttnImpl = AttnImpl.sdpa
+    hf_config: dict[str, Any] = field(default_factory=dict)  # the rest of config.json, as is
+
+
+# typed field <- config.json field
+_TYPED = (("vocab_size", "vocab_size"), ("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
+          ("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
+          ("enable_weight_tying", "tie_word_embeddings"))
+# config.json fields that describe the file, not the model (rewritten on export)
+_BOOKKEEPING = ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+    return ConfigError(f"config.json: {key}={value!r}: {why}")
+
+
+def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """Values for :class:`HFModelConfig` from a config.json (the folder's, or a flavor's)."""
+    archs = hf.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
+    if arch not in SUPPORTED:
+        raise _bad("architectures", archs, f"model=hf supports {', '.join(SUPPORTED)}")
+    if hf.get("model_type") != SUPPORTED[arch]:
+        raise _bad("model_type", hf.get("model_type"), f"{arch} is model_type {SUPPORTED[arch]!r}")
+    if hf.get("quantization_config"):
+        raise _bad("quantization_config", hf["quantization_config"].get("quant_method"),
+                   "quantized weights do not train; give a bf16/fp32 folder")
+    out: dict[str, Any] = {"architecture": arch}
+    if arch in EAGER_ONLY:
+        out["attn_implementation"] = AttnImpl.eager.value
+    for ours, theirs in _TYPED:
+        value = hf.get(theirs)
+        if value is None and theirs == "num_key_value_heads":
+            value = hf.get("num_attention_heads")  # transformers' default: multi-head attention
+        if value is None and theirs == "tie_word_embeddings":
+            continue  # the architecture's own default (read by the builder)
+        if value is None:
+            raise _bad(theirs, None, f"{arch} needs it")
+        if ours != "enable_weight_tying" and (isinstance(value, bool) or not isinstance(value, int)):
+            raise _bad(theirs, value, "must be an integer")
+        out[ours] = value
+    out["hf_config"] = {k: copy.deepcopy(v) for k, v in hf.items()
+                        if k not in _BOOKKEEPING and k not in dict(_TYPED).values()}
+    return out
+
+
+def hf_dict(config: HFModelConfig) -> dict[str, Any]:
+    """The model's config.json fields (``hf_config`` with the typed fields on top): what
+    the builder hands transformers and the export writes."""
+    if not config.architecture:
+        raise ConfigError("model.hf is not set: model=hf needs model.hf=DIR (a transformers model folder "
+                          "with config.json and *.safetensors) or a test flavor (model.flavor=tiny_llama, ...)")
+    out = dict(copy.deepcopy(config.hf_config))
+    for ours, theirs in _TYPED:
+        out[theirs] = getattr(config, ours)
+    n = config.n_layers
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists follow model.n_layers
+        if isinstance(out.get(key), list):
+            out[key] = out[key][:n]
+    return out
+
+
+def config_to_hf(config: HFModelConfig) -> dict[str, Any]:
+    """A config.json transformers 5.x loads as ``config.architecture``."""
+    return {"architectures": [config.architecture], **hf_dict(config), "dtype": "float32"}
+
+
+# ------------------------------------------------------------------ flavors
+# Tiny random models of each tested family (vocab 256 fits the tests' synthetic data):
+# every field the family's numerics depend on is set, so a flavor is also a recipe for a
+# test folder (titan_hf.testing.save_folder).
+_TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+
+_TINY_JSON: dict[str, dict[str, Any]] = {
+    "tiny_llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_TINY,
+                   "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "tiny_qwen3": {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", **_TINY},
+    "tiny_mistral": {"architectures": ["MistralForCausalLM"], "model_type": "mistral", **_TINY,
+                     "sliding_window": None},
+    "tiny_gemma3": {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", **_TINY,
+                    "tie_word_embeddings": True, "sliding_window": 8, "query_pre_attn_scalar": 16,
+                    "layer_types": ["sliding_attention", "full_attention"]},
+    "tiny_phi3": {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", **_TINY},
+    "tiny_olmo2": {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", **_TINY},
+    "tiny_gpt_oss": {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+                     **{**_TINY, "intermediate_size": 32}, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+}
+
+def _flavor(hf: dict[str, Any]) -> HFModelConfig:
+    values = config_from_hf(hf)
+    values["attn_implementation"] = AttnImpl(values.get("attn_implementation", AttnImpl.sdpa))
+    return HFModelConfig(**values)
+
+
+FLAVORS: dict[str, HFModelConfig] = {
+    "folder": HFModelConfig(),  # everything from model.hf's config.json
+    **{name: _flavor(hf) for name, hf in _TINY_JSON.items()},
+}

@@ -1,0 +1,146 @@
+"""A transformers causal LM in the core's model lifecycle.
+
+``AutoModelForCausalLM.from_config`` builds the model (on meta under the core); its
+modules are hoisted to the names every core helper knows (``tok_embeddings``,
+``layers`` as an ``nn.ModuleDict`` keyed ``"0".."n-1"``, ``norm``, ``output``) and
+this module drives them as the architecture's own ``forward`` does: embeddings,
+positions, the attention masks of each layer type (full, sliding), rotary embeddings
+(per layer type where the model has several), the decoder layers, norm, head and the
+final logit softcap. So a pipeline stage can drop the modules it does not own, and a
+later stage rebuilds masks and rotary embeddings from its hidden states (rotary lives
+on every stage). ``init_weights`` is the architecture's own ``_init_weights``, which
+also recomputes the non-persistent buffers (rotary ``inv_freq``, Gemma's
+``embed_scale``) that ``to_empty`` leaves as garbage.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+from torch import nn
+
+from titan_hf.config import AttnImpl, HFModelConfig, hf_dict
+
+__all__ = ["HFCausalLM", "build", "flops", "hf_config_object"]
+
+_MASKS = ("full_attention", "sliding_attention")
+
+
+def hf_config_object(config: HFModelConfig) -> Any:
+    """transformers' config object for ``config`` (attention kernel set)."""
+    from transformers import AutoConfig
+
+    values = hf_dict(config)
+    model_type = values.pop("model_type")
+    hf = AutoConfig.for_model(model_type, **values)
+    hf._attn_implementation = AttnImpl(config.attn_implementation).value
+    return hf
+
+
+def layer_kinds(hf: Any) -> list[str]:
+    """Each decoder layer's attention kind: ``layer_types`` where the config has it,
+    else sliding for every layer iff ``sliding_window`` is set (Mistral, Phi-3)."""
+    kinds = getattr(hf, "layer_types", None)
+    if kinds:
+        return list(kinds)[: hf.num_hidden_layers]
+    kind = "sliding_attention" if getattr(hf, "sliding_window", None) else "full_attention"
+    return [kind] * hf.num_hidden_layers
+
+
+class HFCausalLM(nn.Module):
+    """``forward(tokens) -> logits`` (or hidden states in, hidden states out on a
+    pipeline stage that lacks the embedding or the head)."""
+
+    def __init__(self, config: HFModelConfig) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM
+
+        self.config = config
+        self.hf_config = hf = hf_config_object(config)
+        shell = AutoModelForCausalLM.from_config(hf, attn_implementation=AttnImpl(config.attn_implementation).value)
+        base = getattr(shell, shell.base_model_prefix)
+        self.tok_embeddings: nn.Module | None = base.embed_tokens
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
+        self.norm: nn.Module | None = base.norm
+        self.output: nn.Module | None = shell.lm_head
+        self.rotary_emb = base.rotary_emb
+        # Not a submodule (its parameters are ours, hoisted): kept for its _init_weights
+        # and no_split_modules only.
+        object.__setattr__(self, "_shell", shell)
+        self.layer_kinds = layer_kinds(hf)
+        self._rope_per_kind = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
+        self.softcap = getattr(hf, "final_logit_softcapping", None)
+        self.seq_shards = 1  # > 1 under sequence parallelism: hidden states hold 1/seq_shards of the sequence
+
+    @property
+    def no_split_modules(self) -> set[str]:
+        return set(getattr(self._shell, "_no_split_modules", None) or ())
+
+    def init_weights(self, buffer_device: torch.device | None = None) -> None:
+        """The architecture's initialisation, module by module, and its buffers."""
+        if self.config.enable_weight_tying and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight  # to_empty gives each its own tensor
+        for module in self.modules():
+            if module is not self:
+                for p in module.parameters(recurse=False):
+                    p._is_hf_initialized = False  # transformers' init skips flagged tensors
+                self._shell._init_weights(module)
+
+    def _masks(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+        return {kind: makers[kind](config=self.hf_config, inputs_embeds=like, attention_mask=None,
+                                   cache=None, position_ids=positions)
+                for kind in set(self.layer_kinds)}
+
+    def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+        if self._rope_per_kind:
+            return {kind: self.rotary_emb(like, positions, kind) for kind in set(self.layer_kinds)}
+        shared = self.rotary_emb(like, positions)
+        return dict.fromkeys(set(self.layer_kinds), shared)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        from torch.distributed.tensor import DTensor
+
+        local = h.to_local() if isinstance(h, DTensor) else h
+        batch, seq = local.shape[0], local.shape[1] * self.seq_shards
+        # Masks and rotary read only the shape, dtype and device of what they are given.
+        like = local.new_empty((batch, seq, 1))
+        positions = torch.arange(seq, device=local.device).unsqueeze(0)
+        masks, rope = self._masks(like, positions), self._rope(like, positions)
+        for key, layer in self.layers.items():
+            kind = self.layer_kinds[int(key)]
+            out = layer(h, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions)
+            h = out[0] if isinstance(out, tuple) else out
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+            if self.softcap:
+                h = torch.tanh(h / self.softcap) * self.softcap
+        return h
+
+
+def build(config: HFModelConfig) -> HFCausalLM:
+    return HFCausalLM(config)
+
+
+def flops(config: HFModelConfig, seq_len: int) -> tuple[int, float]:
+    """``(parameters, training FLOPs per token)``: 6 per active non-embedding parameter
+    (an MoE's experts count top-k of n) plus attention's 12 * layers * heads * head_dim * seq."""
+    with torch.device("meta"):
+        model = HFCausalLM(config)
+    hf = model.hf_config
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.tok_embeddings.weight.numel()
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    n_exp = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    top_k = getattr(hf, "num_experts_per_tok", None)
+    active = total - embed - (experts - experts * top_k // n_exp if n_exp and top_k else 0)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attn = 12 * hf.num_hidden_layers * hf.num_attention_heads * head_dim * seq_len
+    return total, float(6 * active + attn)

@@ -1,0 +1,67 @@
+"""What a folder's structure cannot take, refused in one line before any rank starts."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from titan_hf.config import EAGER_ONLY, AttnImpl, HFModelConfig, hf_dict
+from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+__all__ = ["layer_plan", "validate"]
+
+#: transformers' TP style names this plugin maps onto torch's styles (titan_hf.parallelize)
+TP_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
+                       "replicated_with_grad_allreduce", "embedding_rowwise"})
+
+
+def layer_plan(hf: Any) -> dict[str, str]:
+    """The decoder-layer part of the model's ``base_model_tp_plan``, keyed by the module
+    path inside one layer (``self_attn.q_proj``)."""
+    plan = dict(getattr(hf, "base_model_tp_plan", None) or {})
+    return {k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
+
+
+def _check_tp(config: HFModelConfig, hf: Any, tp: int) -> None:
+    arch = config.architecture
+    plan = layer_plan(hf)
+    if not plan:
+        raise ConfigError(f"parallelism.tp={tp}: {arch} declares no tensor-parallel plan for its decoder "
+                          "layers (transformers' base_model_tp_plan); use dp_shard/pp for this model")
+    odd = sorted({s for s in plan.values() if s not in TP_STYLES})
+    if odd:
+        raise ConfigError(f"parallelism.tp={tp}: {arch}'s base_model_tp_plan uses style {odd[0]!r}, which "
+                          f"model=hf does not map (it maps {', '.join(sorted(TP_STYLES))})")
+    for key, n in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads)):
+        if n % tp:
+            raise ConfigError(f"parallelism.tp={tp}: model.{key}={n} is not divisible by it")
+    for key, n in (("intermediate_size", getattr(hf, "intermediate_size", None)), ("vocab_size", config.vocab_size)):
+        if n and n % tp:
+            raise ConfigError(f"parallelism.tp={tp}: {key}={n} is not divisible by it")
+
+
+def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
+    """Raise ``ConfigError`` (one line) for a layout or field this model cannot take."""
+    values = hf_dict(config)  # "model.hf is not set" when neither a folder nor a flavor gave the model
+    from titan_hf.model import hf_config_object, layer_kinds
+
+    hf = hf_config_object(config)
+    for i, kind in enumerate(layer_kinds(hf)):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise ConfigError(f"config.json: layer_types[{i}]={kind!r}: model=hf runs full and sliding attention only")
+    if config.architecture in EAGER_ONLY and AttnImpl(config.attn_implementation).value != "eager":
+        raise ConfigError(f"model.attn_implementation={AttnImpl(config.attn_implementation).value}: transformers runs "
+                          f"{config.architecture} with eager attention only")
+    n_layers = config.n_layers
+    if parallel_dims.ep > 1:
+        experts = values.get("num_local_experts") or values.get("num_experts")
+        why = (f"{config.architecture} has no experts" if not experts else
+               f"{config.architecture}'s experts are one fused module; model=hf has no token dispatch for it "
+               "(shard them with dp_shard instead)")
+        raise ConfigError(f"parallelism.ep={parallel_dims.ep}: {why}")
+    if parallel_dims.tp > 1:
+        _check_tp(config, hf, parallel_dims.tp)
+    if parallel_dims.pp > 1 and n_layers < parallel_dims.pp:
+        raise ConfigError(f"parallelism.pp={parallel_dims.pp}: model.n_layers={n_layers} gives a stage no layer")
