@@ -19,9 +19,12 @@ writes those it wants), special tokens in the text encoded as special tokens.
 
 How the assistant spans are found, for any template: if it marks assistant text with
 ``{% generation %}`` blocks, those blocks (as ``return_assistant_tokens_mask``).
-Otherwise by rendering prefixes: turn ``k`` starts where
+Otherwise by rendering the conversation turn by turn: turn ``k`` starts where
 ``render(messages[:k], add_generation_prompt=True)`` ends and ends where
-``render(messages[:k+1])`` ends, each checked to be a prefix of the whole render. A
+``render(messages[:k+1])`` ends, each checked to be a prefix of the whole render. Text
+the template writes only after the last message to close the conversation (Phi-3.5's
+``eos_token``) is measured once (a rendering with one more user turn lacks it there)
+and belongs to no turn: it is cut from each rendering before the prefix check. A
 template that renders a turn differently when it is last (Qwen3 keeps ``<think>`` only
 after the last user query) fails that check for earlier turns; then the turn's end is
 where a following user turn starts (``messages[:k+1]`` + a probe user message, its
@@ -58,7 +61,7 @@ def encode_conversation(
         text, spans = _render(template, messages, tools, where), []
     else:
         text, spans = assistant_spans(messages, template, tools=tools, where=where,
-                                      last_only=train_on == "last_assistant")
+                                      last_only=train_on == "last_assistant", tokenizer=tokenizer)
     enc = _backend(tokenizer).encode(text, add_special_tokens=False)
     if train_on == "all":
         return list(enc.ids), [True] * len(enc.ids)
@@ -77,7 +80,7 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer: Any) -> list[int]:
     follows the reply in a probe conversation, up to the end of the assistant span."""
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _PROBE}]
     try:
-        text, spans = assistant_spans(messages, template)
+        text, spans = assistant_spans(messages, template, tokenizer=tokenizer)
     except ConfigError:
         return []
     if not spans:
@@ -91,22 +94,53 @@ def end_of_turn_ids(template: ChatTemplate, tokenizer: Any) -> list[int]:
 def assistant_spans(
     messages: Sequence[Mapping], template: ChatTemplate, *,
     tools: Sequence[Mapping] | None = None, where: str = "", last_only: bool = False,
+    tokenizer: Any = None,
 ) -> tuple[str, list[tuple[int, int]]]:
-    """The whole render and the character spans ``[start, end)`` of its assistant turns."""
+    """The whole render and the character spans ``[start, end)`` of its assistant turns
+    (``tokenizer``: where a closing text starts is snapped to a token start)."""
     if template.has_generation_tags:
         text, spans = _render_spans(template, messages, tools, where)
         return text, spans[-1:] if last_only else spans
     text = _render(template, messages, tools, where)
+    starts = None
+    if tokenizer is not None:  # token starts: the closing text begins at one
+        starts = [a for a, _ in _backend(tokenizer).encode(text, add_special_tokens=False).offsets]
+    tail = _closing_text(text, messages, template, tools, starts)
     turns = [k for k, m in enumerate(messages) if m.get("role") == "assistant"]
     if last_only:
         turns = turns[-1:]
     spans = []
     for k in turns:
         start = _turn_start(text, messages, k, template, tools, where)
-        end = _turn_end(text, messages, k, start, template, tools, where)
+        end = min(_turn_end(text, messages, k, start, template, tools, where, tail),
+                  len(text) - len(tail))
         end = start + len(text[start:end].rstrip())
         spans.append((start, end))
     return text, spans
+
+
+def _closing_text(text: str, messages: Sequence[Mapping], template: ChatTemplate,
+                  tools: Any, starts: Sequence[int] | None = None) -> str:
+    """What the template writes after the last message only, to close the conversation
+    (Phi-3.5's ``eos_token``; nothing for ChatML or Llama 3): the end of ``text`` that a
+    rendering with one more (user) message does not have there but also ends with. It
+    belongs to no assistant turn, and every shorter rendering ends with it too."""
+    try:
+        more = template.render([*messages, {"role": "user", "content": _PROBE}], tools=tools)
+    except ConfigError:  # a template that refuses the extra turn: nothing measured
+        return ""
+    n = 0
+    for a, b in zip(text, more):
+        if a != b:
+            break
+        n += 1
+    if n < len(text) and starts is not None:  # the closing text starts a token: "</s>", not "/s>"
+        n = max((a for a in starts if a <= n), default=n)
+    tail = text[n:]
+    last = str(messages[-1].get("content") or "") if messages else ""
+    if not tail or not more.endswith(tail) or _PROBE in tail or (last and last in tail):
+        return ""  # nothing closes it, or the extra turn rewrote the last one (not a closing text)
+    return tail
 
 
 # ------------------------------------------------------------------ spans
@@ -134,8 +168,10 @@ def _turn_start(text: str, messages: Sequence[Mapping], k: int, template: ChatTe
 
 
 def _turn_end(text: str, messages: Sequence[Mapping], k: int, start: int,
-              template: ChatTemplate, tools: Any, where: str) -> int:
+              template: ChatTemplate, tools: Any, where: str, tail: str = "") -> int:
     upto = _render(template, messages[: k + 1], tools, where, turn=k)
+    if tail and upto.endswith(tail):  # the closing text is no part of the turn
+        upto = upto[: len(upto) - len(tail)]
     if text.startswith(upto) and len(upto) >= start:
         return len(upto)
     # Not prefix-stable (the turn renders differently when it is last): end the turn
