@@ -498,7 +498,7 @@ def _layout_rank(rank: int, world: int) -> dict:
         _trained_like(ref)
         dims = ParallelDims.from_config(job.parallelism, world)
         dims.build_meshes("cpu")
-        model = build_model_parts(spec, job, dims, torch.device("cpu"), pm).parts[0]
+        model = build_model_parts(spec, job, dims, torch.device("cpu"), pm, fused_loss=False).parts[0]
         full = ref.state_dict()
         for name, value in model.state_dict().items():  # the reference's weights, sharded
             set_full(value, full[name])

@@ -116,6 +116,9 @@ class TrainingConfig:
     selective_every: int = ranged(2, "[1, inf)")
     compile: bool = False
     dump_final_params: bool = False  # rank 0 writes <run_dir>/final_params.pt (full tensors)
+    # Positions per chunk of the fused head + cross-entropy (train/fused_loss.py): the full
+    # logits and their gradient are never held; 0: the plain head and whole logits.
+    loss_chunk_size: int = ranged(256, "[0, inf)")
 
 
 @dataclass

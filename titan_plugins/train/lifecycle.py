@@ -25,6 +25,7 @@ from titan_plugins.peft.lora import (
     lora_enabled,
 )
 from titan_plugins.spec import ModelSpec
+from titan_plugins.train.fused_loss import defer_heads
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -136,8 +137,13 @@ def build_model_parts(
     loss_fn: Any = None,
     *,
     init: bool = True,
+    fused_loss: bool = True,
 ) -> ModelParts:
-    """Build, split, parallelize, materialize and initialise this rank's model parts."""
+    """Build, split, parallelize, materialize and initialise this rank's model parts.
+
+    ``fused_loss``: the part holding the head returns hidden states for the losses of
+    ``train/loss.py`` to project in chunks (``train/fused_loss.py``), unless
+    ``training.loss_chunk_size=0``; ``False`` where a caller wants the logits themselves."""
     split = parallelized_parts(spec, job, parallel_dims, pm)
     parts = [part for _, part in split]
 
@@ -158,6 +164,9 @@ def build_model_parts(
             keep = {id(p) for p in adapter_parameters(part)}
             part._apply(lambda t, keep=keep: t.to(weight_dtype) if t.is_floating_point() and id(t) not in keep else t)
         part.train()
+
+    if fused_loss:  # after to_empty/init/dtype casts: the head's class swap comes last
+        defer_heads(parts, spec, job, parallel_dims)
 
     out = ModelParts(parts=parts)
     if parallel_dims.pp_enabled:

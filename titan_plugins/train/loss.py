@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from titan_plugins.train.fused_loss import chunked_ce, head_ref
+
 IGNORE_INDEX = -100
 
 __all__ = ["IGNORE_INDEX", "GlobalTokenLoss", "count_tokens", "token_loss_sum", "token_nll"]
@@ -23,7 +25,11 @@ def token_loss_sum(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ``output`` is what the model's last part returned. Objectives compute their losses
     only through this function and :func:`token_nll`, never from logits directly, so
     that how the logits are produced (whole, or in chunks fused with the head) stays
-    this module's business."""
+    this module's business: a deferred head's hidden states (train/fused_loss.py)
+    take the chunked path, whole logits the plain one."""
+    ref = head_ref(output)
+    if ref is not None:
+        return chunked_ce(output, labels, ref, ignore_index=IGNORE_INDEX, reduction="sum")
     return F.cross_entropy(
         output.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum", ignore_index=IGNORE_INDEX
     )
@@ -32,6 +38,9 @@ def token_loss_sum(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def token_nll(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Per-position cross-entropy ``[batch, seq]`` in fp32, 0 where the label is
     ``IGNORE_INDEX`` (the negative token log-probabilities preference losses sum)."""
+    ref = head_ref(output)
+    if ref is not None:
+        return chunked_ce(output, labels, ref, ignore_index=IGNORE_INDEX, reduction="none")
     nll = F.cross_entropy(
         output.flatten(0, 1).float(), labels.flatten(0, 1), reduction="none", ignore_index=IGNORE_INDEX
     )
