@@ -19,16 +19,33 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from titan_plugins.errors import ConfigError, TitanError
 
-__all__ = ["RENDEZVOUS_FILE", "launch_token", "publish", "run_external_rank", "wait_published"]
+__all__ = ["RENDEZVOUS_FILE", "TRAINER_STEPS", "RankSteps", "launch_token", "publish", "run_external_rank",
+           "wait_published"]
 
 RENDEZVOUS_FILE = ".titan-rendezvous"
 FAILURES = ".titan-failures"  # the step's ranks' failure records (failures.py)
 WAIT_S = float(os.environ.get("TITAN_RENDEZVOUS_TIMEOUT", "300"))
+# The trainer, named not imported: distributed/ sits below train/ (docs/architecture.md).
+TRAINER_STEPS = "titan_plugins.train.run_files:RANK_STEPS"
+
+
+@dataclass(frozen=True)
+class RankSteps:
+    """What a rank does around the rendezvous: rank 0 writes the resolved config
+    (``write_config(job, run_dir) -> config path``), every rank trains from it
+    (``run_rank(config_path)``), rank 0 writes ``result.json`` (``write_result(run_dir, *,
+    job, overrides, returncode, error)``)."""
+
+    write_config: Callable[[Any, Path], Path]
+    run_rank: Callable[[Path], object]
+    write_result: Callable[..., object]
 
 
 def launch_token(env=os.environ) -> str:
@@ -111,9 +128,10 @@ def launch_info(env=os.environ) -> dict[str, Any]:
 
 
 def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_name: str,
-                      plan: Any = None) -> int:
+                      plan: Callable[[], int] | None = None, steps: RankSteps | str = TRAINER_STEPS) -> int:
     """Train as this process's rank (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` set); returns
-    the exit code. ``plan``: what rank 0 runs instead when ``plan=true``."""
+    the exit code. ``plan``: what rank 0 runs instead when ``plan=true``. ``steps``: the
+    trainer's side (a ``RankSteps`` or a ``"module:attribute"`` naming one)."""
     from titan_plugins.failures import (
         FAILURE_DIR_ENV,
         clear_error_file,
@@ -122,10 +140,9 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
         write_error_file,
     )
     from titan_plugins.run_dir import take
-    from titan_plugins.train.api import write_config
-    from titan_plugins.train.sweep import write_result
-    from titan_plugins.train.worker import run_rank
+    from titan_plugins.spec import resolve
 
+    rank_steps: RankSteps = resolve(steps)
     env = os.environ
     rank = int(env["RANK"])
     token = launch_token()
@@ -134,7 +151,7 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
         take(run_dir, key)  # before config.yaml, error.txt, result.json: one line if it is live
         if plan is not None:
             return plan()
-        config_path = write_config(job, run_dir)
+        config_path = rank_steps.write_config(job, run_dir)
         clear_error_file(run_dir)
         shutil.rmtree(failures, ignore_errors=True)  # an earlier launch's records
         failures.mkdir()
@@ -148,7 +165,7 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
     env[FAILURE_DIR_ENV] = str(failures)  # every rank records its failure there
     code, error = 0, None
     try:
-        run_rank(config_path)  # records a failure in FAILURE_DIR_ENV before its teardown
+        rank_steps.run_rank(config_path)  # records a failure in FAILURE_DIR_ENV before its teardown
     except BaseException as exc:  # noqa: BLE001 - one report for the step, no traceback wall
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0
@@ -163,7 +180,7 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
                 write_error_file(run_dir, error)
     if rank == 0:
         with contextlib.suppress(OSError):  # a full disk: the error line is printed already
-            write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
+            rank_steps.write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
     return code
 
 

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import json
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import ModelSpec
+from titan_plugins.train.run_files import RunResult, read_result, write_config, write_result
 
 if TYPE_CHECKING:
     from titan_plugins.plugins import TitanPluginManager
@@ -33,25 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["RunResult", "job_world_size", "prepare_job", "read_result", "run", "validate_job", "write_config"]
 
 _DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")
-
-
-@dataclass
-class RunResult:
-    """What a finished (or failed) run left in its directory."""
-
-    returncode: int
-    run_dir: Path
-    losses: list[float] = field(default_factory=list)
-    grad_norms: list[float] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    tokens_per_s: float | None = None
-    error: str | None = None
-    stdout: str = ""
-    stderr: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
 
 
 # ------------------------------------------------------------------ validation
@@ -189,47 +169,6 @@ def finish_job(cfg: DictConfig, pm: TitanPluginManager, *, run_dir: str | os.Pat
     return spec, job, dims
 
 
-def write_config(job: DictConfig, run_dir: str | os.PathLike) -> Path:
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "config.yaml"
-    tmp = path.with_name(f".config.yaml.{os.getpid()}.tmp")
-    tmp.write_text(OmegaConf.to_yaml(job, resolve=True))
-    os.replace(tmp, path)
-    return path
-
-
-# --------------------------------------------------------------------- results
-def read_result(run_dir: str | os.PathLike, returncode: int = 0, error: str | None = None) -> RunResult:
-    """Losses, grad norms and throughput from ``<run_dir>/metrics.jsonl`` (the last
-    record of each step wins, so a resumed run reads as one run)."""
-    run_dir = Path(run_dir)
-    by_step: dict[int, dict] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.is_file():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                if "step" in rec and "loss" in rec:
-                    by_step[int(rec["step"])] = rec
-    steps = sorted(by_step)
-    tps = [by_step[s]["tokens_per_s"] for s in steps]
-    steady = tps[1:] if len(tps) > 1 else tps
-    if error is None and returncode != 0:
-        from titan_plugins.failures import read_error_file
-
-        error = read_error_file(run_dir)
-    return RunResult(
-        returncode=returncode,
-        run_dir=run_dir,
-        losses=[by_step[s]["loss"] for s in steps],
-        grad_norms=[by_step[s]["grad_norm"] for s in steps],
-        steps=steps,
-        tokens_per_s=(sorted(steady)[len(steady) // 2] if steady else None),
-        error=error,
-    )
-
-
 # ------------------------------------------------------------------------- run
 def _module_root(name: str) -> str | None:
     spec = importlib.util.find_spec(name)
@@ -319,8 +258,6 @@ def _run_claimed(job: DictConfig, dims: Any, run_dir: Path, added: dict[str, str
         lines = [line for line in err.strip().splitlines() if line.strip()]
         result.error = lines[-1] if lines else f"exit code {code}"
     result.stdout, result.stderr = out, err
-    from titan_plugins.train.sweep import write_result
-
     with contextlib.suppress(OSError):  # result.json, as titan-run writes it
         write_result(run_dir, job="0", overrides=" ".join(overrides), returncode=code, error=result.error)
     return result

@@ -15,35 +15,13 @@ from typing import Any
 
 from hydra.experimental.callback import Callback
 
+from titan_plugins.train.run_files import write_result
+
 __all__ = ["SummaryCallback", "format_table", "read_results", "write_result"]
 
 FAILED_JOBS: list[str] = []  # filled by SummaryCallback in the launching process
 SWEEP: dict[str, Any] = {}  # the running sweep's directory, and whether its summary was printed
 NO_RESULT = "no result.json: the job ended before writing one (killed, timed out or cancelled?)"
-
-
-def write_result(run_dir: str | os.PathLike, *, job: str, overrides: str, returncode: int,
-                 error: str | None = None) -> dict[str, Any]:
-    from titan_plugins.distributed.external import launch_info
-    from titan_plugins.train.api import read_result
-
-    res = read_result(run_dir, returncode, error)
-    record = {
-        "job": job,
-        "overrides": overrides,
-        "final_loss": res.losses[-1] if res.losses else None,
-        "tokens_per_s": res.tokens_per_s,
-        "status": "ok" if returncode == 0 else "failed",
-        "returncode": returncode,
-        "error": res.error,
-        "steps": len(res.steps),
-        "launch": launch_info(),  # titan-run / torchrun / slurm, and the Slurm job and step
-    }
-    path = Path(run_dir, "result.json")
-    tmp = path.with_name(f".result.json.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, path)
-    return record
 
 
 def read_results(sweep_dir: str | os.PathLike) -> list[dict[str, Any]]:
