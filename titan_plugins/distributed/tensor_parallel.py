@@ -14,25 +14,19 @@ Activation layouts inside the region, for ``[batch, seq, dim]`` hidden states:
     sequence_parallel=False    Replicate everywhere; norm weights are replicated
                                DTensors (``ReplicateParallel``)
 
-A typical decoder plan, written by a model's ``parallelize.py`` (names are the
-model's own; nothing here knows any model)::
+A typical decoder plan, written by a model's ``parallelize.py`` from the plan
+pieces below (names are the shared components' ``attention``/``feed_forward``/
+``attention_norm``/``ffn_norm``; nothing here knows any model)::
 
-    sp = job.parallelism.sequence_parallel
-    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp,
-                                            loss_parallel=job.parallelism.loss_parallel))
-    for block in owned_blocks(model.layers):
-        apply_tp_plan(block, tp_mesh, {
-            "attention_norm": norm_style(sp),
-            "attention": gather_input(sp, Replicate(), None),   # (x, rope_cache, mask)
-            "attention.wq": colwise(), "attention.wk": colwise(), "attention.wv": colwise(),
-            "attention.inner_attention": LocalAttention(),
-            "attention.wo": rowwise(sp),
-            "ffn_norm": norm_style(sp),
-            "feed_forward": gather_input(sp),
-            "feed_forward.w1": colwise(), "feed_forward.w3": colwise(),
-            "feed_forward.w2": rowwise(sp),
-        })
-    apply_tp_plan(model, tp_mesh, stage_boundary_plan(model, sequence_parallel=sp))
+    def block_plan(block, sp):
+        # attention(x, rope_cache, mask): the cache replicated per call, the mask plain
+        attention = gqa_attention_plan(sp, Replicate(), None)
+        return decoder_block_plan(sp, attention, feed_forward=not block.moe_enabled)
+
+    apply_decoder_tp(model, tp_mesh, block_plan, sequence_parallel=sp, loss_parallel=lp)
+
+``apply_decoder_tp`` is ``root_plan`` (embedding, final norm, output), one plan per
+owned block, then ``stage_boundary_plan``, re-tying tied embeddings on the way.
 
 Rotary caches stay plain (non-persistent) buffers; they become replicated DTensors
 only per call, either as a ``Replicate()`` entry of ``gather_input`` (the cache is
@@ -43,7 +37,7 @@ sequence unevenly (``torch.chunk`` sizes) and pads its collectives itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -73,9 +67,12 @@ __all__ = [
     "ReplicateParallel",
     "StageBoundary",
     "activation_layout",
+    "apply_decoder_tp",
     "apply_tp_plan",
     "colwise",
+    "decoder_block_plan",
     "gather_input",
+    "gqa_attention_plan",
     "keep_grad_layout",
     "norm_style",
     "owned_blocks",
@@ -84,6 +81,7 @@ __all__ = [
     "root_plan",
     "rowwise",
     "stage_boundary_plan",
+    "swiglu_plan",
 ]
 
 
@@ -486,6 +484,72 @@ def stage_boundary_plan(
     if last_out:
         plan[f"{layers_attr}.{keys[-1]}"] = StageBoundary(layout, outputs=True)
     return plan
+
+
+# ------------------------------------------------------------ decoder plans
+def gqa_attention_plan(
+    sequence_parallel: bool, *rest: Placement | None, prefix: str = "attention"
+) -> dict[str, ParallelStyle]:
+    """Grouped-query attention (``titan_plugins.components.attention.GQAttention``
+    names): the module's input gathered (``rest``: its further positional inputs, see
+    ``gather_input``), ``wq``/``wk``/``wv`` column-wise (heads sharded), per-head
+    ``q_norm``/``k_norm`` sharded on heads, the kernel on local heads, ``wo`` row-wise.
+    Entries for modules a model lacks (no qk-norm) are dropped by ``apply_tp_plan``."""
+    heads = SequenceParallel(sequence_dim=2, use_local_output=False)
+    return {
+        prefix: gather_input(sequence_parallel, *rest),
+        **{f"{prefix}.{name}": colwise() for name in ("wq", "wk", "wv")},
+        f"{prefix}.q_norm": heads,
+        f"{prefix}.k_norm": heads,
+        f"{prefix}.inner_attention": LocalAttention(),
+        f"{prefix}.wo": rowwise(sequence_parallel),
+    }
+
+
+def swiglu_plan(sequence_parallel: bool, prefix: str = "feed_forward") -> dict[str, ParallelStyle]:
+    """SwiGLU (``components.feed_forward.FeedForward``): input gathered, ``w1``/``w3``
+    column-wise, ``w2`` row-wise back to the activation layout."""
+    return {
+        prefix: gather_input(sequence_parallel),
+        f"{prefix}.w1": colwise(),
+        f"{prefix}.w3": colwise(),
+        f"{prefix}.w2": rowwise(sequence_parallel),
+    }
+
+
+def decoder_block_plan(
+    sequence_parallel: bool, attention: Mapping[str, ParallelStyle], *, feed_forward: bool
+) -> dict[str, ParallelStyle]:
+    """A pre-norm decoder block: ``attention_norm``, the ``attention`` plan given,
+    ``ffn_norm`` and, when ``feed_forward`` (a dense block; an MoE owns its boundary,
+    see ``titan_plugins.distributed.expert_parallel``), ``swiglu_plan``."""
+    sp = sequence_parallel
+    plan = {"attention_norm": norm_style(sp), **attention, "ffn_norm": norm_style(sp)}
+    return plan | swiglu_plan(sp) if feed_forward else plan
+
+
+def apply_decoder_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    block_plan: Callable[[nn.Module, bool], Mapping[str, ParallelStyle]],
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    output: str = "output",
+) -> None:
+    """TP for a decoder (this pipeline stage's part of it): ``root_plan``, then
+    ``block_plan(block, sequence_parallel)`` on every owned block of ``model.layers``,
+    then ``stage_boundary_plan``. Tied embeddings (the output weight *is* the
+    embedding weight) are both ``Shard(0)`` on the mesh and re-tied after the root plan."""
+    sp = sequence_parallel
+    embedding, head = getattr(model, "tok_embeddings", None), getattr(model, output, None)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp, loss_parallel=loss_parallel, output=output))
+    if tied:
+        head.weight = embedding.weight
+    for block in owned_blocks(model.layers):
+        apply_tp_plan(block, tp_mesh, block_plan(block, sp))
+    apply_tp_plan(model, tp_mesh, stage_boundary_plan(model, sequence_parallel=sp, output=output))
 
 
 # ------------------------------------------------------------ per-call helpers

@@ -24,21 +24,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
-from titan_plugins.distributed.compile import apply_compile
-from titan_plugins.distributed.expert_parallel import apply_moe_parallel_to_blocks
-from titan_plugins.distributed.fsdp import apply_fsdp
+from titan_plugins.distributed.decoder import parallelize_decoder
 from titan_plugins.distributed.tensor_parallel import (
     LocalAttention,
     ReplicateParallel,
-    apply_tp_plan,
+    apply_decoder_tp,
     colwise,
+    decoder_block_plan,
     gather_input,
-    norm_style,
-    owned_blocks,
-    root_plan,
     rowwise,
-    stage_boundary_plan,
 )
 from titan_plugins.errors import ConfigError
 
@@ -51,53 +45,33 @@ if TYPE_CHECKING:
 
 
 def parallelize(model: nn.Module, parallel_dims: ParallelDims, job_config: DictConfig) -> nn.Module:
-    par = job_config.parallelism
     seq_len = int(job_config.training.seq_len)
     if seq_len > model.config.max_seq_len:
         raise ConfigError(
             f"training.seq_len={seq_len} exceeds model.max_seq_len={model.config.max_seq_len}"
         )
-    sp = bool(par.sequence_parallel)
-    tp_mesh = parallel_dims.mesh("tp") if parallel_dims.tp_enabled else None
+    return parallelize_decoder(model, parallel_dims, job_config, apply_tp, output_attr=OUTPUT)
 
-    if tp_mesh is not None:
-        apply_tp(model, tp_mesh, sequence_parallel=sp, loss_parallel=bool(par.loss_parallel))
-    apply_moe_parallel_to_blocks(model.layers, parallel_dims, sequence_parallel=sp)
-    apply_activation_checkpointing(model, job_config)
-    apply_compile(model, job_config)
-    apply_fsdp(model, parallel_dims, job_config, experts_attr="moe.experts", output_attr="lm_head")
-    return model
+
+def _mla_plan(block: nn.Module, sp: bool) -> dict:
+    """MLA: per-head projections column-wise, the latent down projections replicated."""
+    plan = {
+        "attention": gather_input(sp, Replicate()),  # (x, freqs_cis)
+        "attention.wkv_a": ReplicateParallel(),
+        "attention.kv_norm": ReplicateParallel(),
+        "attention.wkv_b": colwise(),
+        "attention.inner_attention": LocalAttention(),
+        "attention.wo": rowwise(sp),
+    }
+    if block.attention.q_lora_rank == 0:
+        plan["attention.wq"] = colwise()
+    else:
+        plan |= {"attention.wq_a": ReplicateParallel(), "attention.q_norm": ReplicateParallel(),
+                 "attention.wq_b": colwise()}
+    return decoder_block_plan(sp, plan, feed_forward=not block.moe_enabled)
 
 
 def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """Tensor + sequence parallelism for everything but the MoE layers."""
-    sp = sequence_parallel
-    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp, loss_parallel=loss_parallel, output=OUTPUT))
-    for block in owned_blocks(model.layers):
-        plan = {
-            "attention_norm": norm_style(sp),
-            "attention": gather_input(sp, Replicate()),  # (x, freqs_cis)
-            "attention.wkv_a": ReplicateParallel(),
-            "attention.kv_norm": ReplicateParallel(),
-            "attention.wkv_b": colwise(),
-            "attention.inner_attention": LocalAttention(),
-            "attention.wo": rowwise(sp),
-            "ffn_norm": norm_style(sp),
-        }
-        if block.attention.q_lora_rank == 0:
-            plan["attention.wq"] = colwise()
-        else:
-            plan.update({
-                "attention.wq_a": ReplicateParallel(),
-                "attention.q_norm": ReplicateParallel(),
-                "attention.wq_b": colwise(),
-            })
-        if not block.moe_enabled:
-            plan.update({
-                "feed_forward": gather_input(sp),
-                "feed_forward.w1": colwise(),
-                "feed_forward.w3": colwise(),
-                "feed_forward.w2": rowwise(sp),
-            })
-        apply_tp_plan(block, tp_mesh, plan)
-    apply_tp_plan(model, tp_mesh, stage_boundary_plan(model, sequence_parallel=sp, output=OUTPUT))
+    apply_decoder_tp(model, tp_mesh, _mla_plan, sequence_parallel=sequence_parallel,
+                     loss_parallel=loss_parallel, output=OUTPUT)

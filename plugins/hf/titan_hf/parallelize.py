@@ -1,0 +1,127 @@
+"""``model=hf``'s parallelize hook: TP/SP -> activation checkpointing -> compile -> FSDP.
+
+Everything is found from the model's own structure: the decoder layers are the list
+transformers built (checked against the architecture's ``_no_split_modules``), the
+tensor-parallel plan is the model's ``base_model_tp_plan`` mapped onto torch's styles
+(:func:`torch_style`). Activations between modules stay plain local tensors, as
+transformers' attention expects (it reads head counts off the local shapes):
+
+- without SP: hidden states replicated, column-wise projections give local heads /
+  local MLP columns, row-wise ones all-reduce;
+- with SP (``parallelism.sequence_parallel``): hidden states hold ``1/tp`` of the
+  sequence; each attention / MLP all-gathers its input, its row-wise projection
+  reduce-scatters, and every layer norm runs on its sequence shard with a replicated
+  weight (gradient all-reduced by DTensor).
+
+Per-head q/k norms (``replicated_with_grad_allreduce``) run on ``Shard(2)`` (heads)
+DTensors with a replicated weight, so their gradient is summed over the TP ranks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from titan_hf.validate import layer_plan, validate
+from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
+from titan_plugins.distributed.compile import apply_compile
+from titan_plugins.distributed.fsdp import apply_fsdp
+from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_hf.model import HFCausalLM
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+__all__ = ["apply_tp", "parallelize", "torch_style"]
+
+_GATHERING = ("colwise", "colwise_gather_output")  # their parent module all-gathers its input under SP
+
+
+def torch_style(style: str, *, sequence_parallel: bool) -> ParallelStyle:
+    """transformers' TP style name -> torch's ``ParallelStyle`` (plain tensors out)."""
+    out = Shard(1) if sequence_parallel else Replicate()
+    styles = {
+        "colwise": lambda: ColwiseParallel(),
+        "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "rowwise": lambda: RowwiseParallel(output_layouts=out),
+        "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), output_layouts=out),
+        "replicated_with_grad_allreduce": lambda: SequenceParallel(sequence_dim=2, use_local_output=True),  # per-head norms
+    }
+    return styles[style]()
+
+
+def _norm_children(module: nn.Module) -> list[str]:
+    return [name for name, child in module.named_children() if "Norm" in type(child).__name__]
+
+
+def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
+    """The model's own plan on each decoder layer, then embedding, norm and head."""
+    sp = sequence_parallel
+    plan = layer_plan(model.hf_config)
+    for layer in model.layers.values():
+        layer_styles = {path: torch_style(style, sequence_parallel=sp) for path, style in plan.items()}
+        if sp:
+            for parent in sorted({p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}):
+                if parent == "self_attn":  # called as self_attn(hidden_states=...)
+                    layer_styles[parent] = PrepareModuleInput(
+                        input_kwarg_layouts={"hidden_states": Shard(1)},
+                        desired_input_kwarg_layouts={"hidden_states": Replicate()})
+                else:  # called as mlp(hidden_states)
+                    layer_styles[parent] = PrepareModuleInput(input_layouts=(Shard(1),),
+                                                              desired_input_layouts=(Replicate(),))
+            for name in _norm_children(layer):
+                layer_styles[name] = SequenceParallel(use_local_output=True)
+        parallelize_module(layer, tp_mesh, layer_styles)
+    act = Shard(1) if sp else Replicate()
+    root: dict[str, ParallelStyle] = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=act)
+    if model.norm is not None and sp:
+        # a Shard(1) DTensor out: the head (or the trainer's fused loss, which takes the
+        # head's input) sees a sequence shard, not a whole replicated sequence
+        root["norm"] = SequenceParallel(use_local_output=False)
+    if model.output is not None:
+        root["output"] = ColwiseParallel(input_layouts=act, output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                         use_local_output=not loss_parallel)
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    if model.config.enable_weight_tying and model.tok_embeddings is not None and model.output is not None:
+        model.output.weight = model.tok_embeddings.weight  # both Shard(0) on tp: re-tie
+    model.seq_shards = tp_mesh.size() if sp else 1
+
+
+def _check_layers(model: HFCausalLM) -> None:
+    """FSDP/AC/compile units are the decoder layers: they must be what the architecture
+    itself declares unsplittable."""
+    allowed = model.no_split_modules
+    for key, layer in model.layers.items():
+        name = type(layer).__name__
+        if allowed and name not in allowed:
+            raise ConfigError(f"model.hf: {model.config.architecture} layer {key} is a {name}, not one of its "
+                              f"_no_split_modules ({', '.join(sorted(allowed))}); model=hf cannot wrap it per layer")
+
+
+def parallelize(model: HFCausalLM, parallel_dims: ParallelDims, job_config: DictConfig) -> nn.Module:
+    validate(model.config, parallel_dims)
+    _check_layers(model)
+    par = job_config.parallelism
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=bool(par.sequence_parallel),
+                 loss_parallel=bool(par.loss_parallel))
+    apply_activation_checkpointing(model, job_config, layers_attr="layers")
+    apply_compile(model, job_config, layers_attr="layers")
+    # Tied embeddings stay one FSDP parameter: apply_fsdp keeps them in the root unit.
+    apply_fsdp(model, parallel_dims, job_config, layers_attr="layers")
+    return model
