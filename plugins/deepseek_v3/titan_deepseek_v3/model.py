@@ -11,8 +11,6 @@ only has to tolerate the modules a pipeline stage does not own being ``None``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,6 +26,7 @@ from titan_plugins.components.init import (
     trunc_normal_,
 )
 from titan_plugins.components.moe import MoE
+from titan_plugins.components.rope import apply_rotary_emb, yarn_freqs_cis
 
 
 # ----------------------------------------------------------------- compute dtype
@@ -56,41 +55,14 @@ class RMSNorm(nn.RMSNorm):
 # ------------------------------------------------------------------------ YaRN rope
 def precompute_freqs_cis(config: DeepSeekV3Config) -> torch.Tensor:
     """``(max_seq_len, qk_rope_head_dim // 2)`` complex64 rotations, YaRN-scaled when
-    ``max_seq_len > rope.original_seq_len`` (DeepSeek-V3's reference code)."""
-    rope, dim, seqlen = config.layer.rope, config.layer.attention.qk_rope_head_dim, config.max_seq_len
-    base = rope.theta
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    if config.yarn_enabled:
-        # Dimensions rotating fewer than beta_slow times over the original context are
-        # interpolated by 1/factor, those rotating more than beta_fast times kept, a
-        # linear ramp in between.
-        def correction_dim(rotations: float) -> float:
-            return dim * math.log(rope.original_seq_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-        smooth = 1 - ramp
-        freqs = freqs / rope.factor * (1 - smooth) + freqs * smooth
-    freqs = torch.outer(torch.arange(seqlen), freqs)
-    # Hugging Face's YaRN scales cos/sin by attention_factor (1.0 in TorchTitan).
-    magnitude = rope.attention_factor if config.yarn_enabled else 1.0
-    return torch.polar(torch.full_like(freqs, magnitude), freqs)
-
-
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``(bsz, seqlen, heads, rope_dim)`` by the first ``seqlen`` rows."""
-    seqlen = x.shape[1]
-    if seqlen > freqs_cis.shape[0]:
-        raise ValueError(
-            f"sequence length {seqlen} exceeds model.max_seq_len={freqs_cis.shape[0]} "
-            "(the rotary table's length)"
-        )
-    xc = torch.view_as_complex(x.float().view(*x.shape[:-1], -1, 2))
-    rot = freqs_cis[:seqlen].view(1, seqlen, 1, xc.shape[-1])
-    return torch.view_as_real(xc * rot).flatten(3).to(x.dtype)
+    ``max_seq_len > rope.original_seq_len`` (DeepSeek-V3's reference code; the shared
+    ``components.rope.yarn_freqs_cis``)."""
+    rope = config.layer.rope
+    return yarn_freqs_cis(
+        config.layer.attention.qk_rope_head_dim, config.max_seq_len, rope.theta,
+        enabled=config.yarn_enabled, factor=rope.factor, original_seq_len=rope.original_seq_len,
+        beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, attention_factor=rope.attention_factor,
+    )
 
 
 # ----------------------------------------------------------------------- attention

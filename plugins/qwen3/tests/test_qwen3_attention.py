@@ -8,7 +8,10 @@ import dataclasses
 import pytest
 import torch
 from titan_qwen3.config import FLAVORS, AttentionBackend, AttentionMask
-from titan_qwen3.model import build, document_ids, use_flex
+from titan_qwen3.model import build
+
+from titan_plugins.components.attention import use_flex
+from titan_plugins.components.attention_masks import document_ids
 
 CFG = dataclasses.replace(FLAVORS["debugmodel"], n_layers=2, eos_id=7)
 
