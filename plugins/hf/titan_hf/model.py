@@ -72,6 +72,8 @@ class HFCausalLM(nn.Module):
         self.layer_kinds = layer_kinds(hf)
         self._rope_per_kind = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         self.softcap = getattr(hf, "final_logit_softcapping", None)
+        # the trainer's fused loss skips the head's caller: not with work after the head
+        self.titan_fused_loss = not self.softcap
         self.seq_shards = 1  # > 1 under sequence parallelism: hidden states hold 1/seq_shards of the sequence
 
     @property

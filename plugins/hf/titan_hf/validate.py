@@ -63,5 +63,8 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
         raise ConfigError(f"parallelism.ep={parallel_dims.ep}: {why}")
     if parallel_dims.tp > 1:
         _check_tp(config, hf, parallel_dims.tp)
+    if parallel_dims.pp > 1 and config.enable_weight_tying:
+        raise ConfigError(f"model.enable_weight_tying=true cannot run with parallelism.pp={parallel_dims.pp}: "
+                          "the embedding lives on the first stage and the tied head on the last")
     if parallel_dims.pp > 1 and n_layers < parallel_dims.pp:
         raise ConfigError(f"parallelism.pp={parallel_dims.pp}: model.n_layers={n_layers} gives a stage no layer")
