@@ -15,6 +15,13 @@ from typing import Any
 
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
+from titan_plugins.components.rope_config import RoPEScaling
+from titan_plugins.components.validation import (
+    check_attention_backend,
+    check_divisible,
+    check_pipeline,
+    degree,
+)
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -27,19 +34,6 @@ __all__ = [
     "num_params",
     "validate",
 ]
-
-
-@dataclass
-class RoPEScaling:
-    """Llama 3.1's frequency scaling (TorchTitan's ``RoPEScalingArgs``; TorchTitan's llama3
-    always applies it). ``enabled=False`` is plain RoPE (a Hugging Face config without
-    ``rope_scaling``); a nested node, so ``model.rope_scaling.scaling_factor=32`` works."""
-
-    enabled: bool = True
-    scaling_factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(kw_only=True)
@@ -163,42 +157,20 @@ def flops(config: Llama3Config, seq_len: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ validation
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    value = obj.get(key, default) if hasattr(obj, "get") else getattr(obj, key, default)
-    return default if value is None else value
-
-
 def validate(config: Llama3Config, parallelism: Any) -> None:
     """Degrees against the model, before any worker starts; one line naming both
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or ParallelDims."""
     c = config
     c.check()
-    tp, pp = int(_get(parallelism, "tp", 1)), int(_get(parallelism, "pp", 1))
-    stages = pp * int(_get(parallelism, "pp_stages_per_rank", 1))
-    if int(_get(parallelism, "ep", 1)) > 1:
-        raise ConfigError(f"parallelism.ep={_get(parallelism, 'ep')} needs experts; llama3 is dense (use ep=1)")
+    tp = int(degree(parallelism, "tp"))
+    if int(degree(parallelism, "ep")) > 1:
+        raise ConfigError(f"parallelism.ep={degree(parallelism, 'ep')} needs experts; llama3 is dense (use ep=1)")
     if tp > 1:
-        for key, value in (("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)):
-            if value % tp:
-                raise ConfigError(f"model.{key}={value} is not divisible by parallelism.tp={tp}")
+        check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
         if c.ffn_hidden_dim % tp:
             raise ConfigError(
                 f"the SwiGLU hidden size {c.ffn_hidden_dim} (model.hidden_dim) is not divisible by "
                 f"parallelism.tp={tp}"
             )
-    if pp > 1 and c.enable_weight_tying:
-        raise ConfigError(
-            f"model.enable_weight_tying=true cannot run with parallelism.pp={pp}: the tied "
-            "embedding and output weight would live on different pipeline stages "
-            "(use an untied flavor or set model.enable_weight_tying=false)"
-        )
-    if stages > 1 and c.n_layers < stages:
-        raise ConfigError(
-            f"model.n_layers={c.n_layers} is fewer than the {stages} pipeline stages "
-            f"(parallelism.pp={pp} x pp_stages_per_rank)"
-        )
-    if c.attn_backend is AttentionBackend.flex and _get(parallelism, "device", "auto") == "cpu":
-        raise ConfigError(
-            "model.attn_backend=flex cannot train with parallelism.device=cpu: flex attention "
-            "has no CPU backward (use attn_backend=auto or sdpa)"
-        )
+    check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
+    check_attention_backend(c.attn_backend, parallelism)

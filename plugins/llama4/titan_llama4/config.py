@@ -13,6 +13,8 @@ from typing import Any
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
+from titan_plugins.components.rope_config import RoPEScaling as Llama31Scaling
+from titan_plugins.components.validation import check_divisible, check_pipeline, degree
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -28,19 +30,13 @@ __all__ = [
 
 
 @dataclass
-class RoPEScaling:
-    """Llama 3.1-style frequency scaling (TorchTitan's ``RoPEScalingArgs`` defaults).
+class RoPEScaling(Llama31Scaling):
+    """Llama 3.1-style frequency scaling with TorchTitan's Llama 4 defaults (factor 16,
+    an empty interpolation band); ``enabled=False`` stands for TorchTitan's
+    ``rope_scaling_args=None``."""
 
-    ``enabled=False`` stands for TorchTitan's ``rope_scaling_args=None`` (a nested
-    node rather than an Optional one, so ``model.rope_scaling.scaling_factor=8``
-    works as an override).
-    """
-
-    enabled: bool = True
     scaling_factor: float = 16.0
-    low_freq_factor: float = 1.0
     high_freq_factor: float = 1.0
-    original_max_position_embeddings: int = 8192
 
 
 @dataclass(kw_only=True)
@@ -283,29 +279,15 @@ def flops(config: Llama4Config, seq_len: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ validation
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    return obj.get(key, default) if hasattr(obj, "get") else getattr(obj, key, default)
-
-
 def validate(config: Llama4Config, parallelism: Any) -> None:
     """Degrees against the model, before any worker starts; one line naming both
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or a ParallelDims."""
     config.check()
-    tp = int(_get(parallelism, "tp", 1))
-    ep = int(_get(parallelism, "ep", 1))
-    etp = int(_get(parallelism, "etp", 1))
-    pp = int(_get(parallelism, "pp", 1))
-    stages = pp * int(_get(parallelism, "pp_stages_per_rank", 1) or 1)
+    tp, ep, etp = (int(degree(parallelism, k)) for k in ("tp", "ep", "etp"))
     c = config
     n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
     if tp > 1:
-        for key, value in (
-            ("n_heads", c.n_heads),
-            ("n_kv_heads", c.kv_heads),
-            ("vocab_size", c.vocab_size),
-        ):
-            if value % tp:
-                raise ConfigError(f"model.{key}={value} is not divisible by parallelism.tp={tp}")
+        check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
         if n_moe < c.n_layers and c.ffn_hidden_dim % tp:
             raise ConfigError(
                 f"model dense FFN hidden size {c.ffn_hidden_dim} is not divisible by parallelism.tp={tp}"
@@ -326,8 +308,4 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"
             )
-    if stages > 1 and c.n_layers < stages:
-        raise ConfigError(
-            f"model.n_layers={c.n_layers} is fewer than the {stages} pipeline stages "
-            f"(parallelism.pp={pp} x pp_stages_per_rank)"
-        )
+    check_pipeline(parallelism, n_layers=c.n_layers)

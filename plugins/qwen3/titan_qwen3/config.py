@@ -13,6 +13,12 @@ from typing import Any
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
+from titan_plugins.components.validation import (
+    check_attention_backend,
+    check_divisible,
+    check_pipeline,
+    degree,
+)
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -154,25 +160,16 @@ def flops(config: Qwen3Config, seq_len: int) -> tuple[int, int]:
 
 
 # ------------------------------------------------------------------ validation
-def _get(obj: Any, key: str, default: Any = None) -> Any:
-    value = obj.get(key, default) if hasattr(obj, "get") else getattr(obj, key, default)
-    return default if value is None else value
-
-
 def validate(config: Qwen3Config, parallelism: Any) -> None:
     """Degrees against the model, before any worker starts; one line naming both
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or ParallelDims."""
     c = config
     c.check()
-    tp, ep, etp = (int(_get(parallelism, k, 1)) for k in ("tp", "ep", "etp"))
-    pp = int(_get(parallelism, "pp", 1))
-    stages = pp * int(_get(parallelism, "pp_stages_per_rank", 1))
+    tp, ep, etp = (int(degree(parallelism, k)) for k in ("tp", "ep", "etp"))
     if tp > 1:
-        for key in ("n_heads", "n_kv_heads", "vocab_size"):
-            if getattr(c, key) % tp:
-                raise ConfigError(f"model.{key}={getattr(c, key)} is not divisible by parallelism.tp={tp}")
-        if not c.moe_enabled and c.hidden_dim % tp:
-            raise ConfigError(f"model.hidden_dim={c.hidden_dim} is not divisible by parallelism.tp={tp}")
+        check_divisible(((key, getattr(c, key)) for key in ("n_heads", "n_kv_heads", "vocab_size")), tp)
+        if not c.moe_enabled:
+            check_divisible((("hidden_dim", c.hidden_dim),), tp)
     expert_tp = (etp if ep > 1 else tp) if c.moe_enabled else 1
     if expert_tp > 1 and c.moe_inter_dim % expert_tp:
         key = "etp" if ep > 1 else "tp"
@@ -186,19 +183,5 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"
             )
-    if pp > 1 and c.enable_weight_tying:
-        raise ConfigError(
-            f"model.enable_weight_tying=true cannot run with parallelism.pp={pp}: the tied "
-            "embedding and output weight would live on different pipeline stages "
-            "(use an untied flavor or set model.enable_weight_tying=false)"
-        )
-    if stages > 1 and c.n_layers < stages:
-        raise ConfigError(
-            f"model.n_layers={c.n_layers} is fewer than the {stages} pipeline stages "
-            f"(parallelism.pp={pp} x pp_stages_per_rank)"
-        )
-    if c.attn_backend is AttentionBackend.flex and _get(parallelism, "device", "auto") == "cpu":
-        raise ConfigError(
-            "model.attn_backend=flex cannot train with parallelism.device=cpu: flex attention "
-            "has no CPU backward (use attn_backend=auto or sdpa)"
-        )
+    check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
+    check_attention_backend(c.attn_backend, parallelism)
