@@ -123,3 +123,41 @@ def test_packed_chat_with_a_stated_causal_mask_is_one_error():
         _compose("model=qwen3", "data=chat_sample", "model.attn_mask=causal")
     job = _compose("model=qwen3", "data=chat_sample", "model.attn_mask=causal", "data.chat.pack=false")
     assert _mask(job) == "causal"
+
+
+# ------------------------------------------------------------------ Llama 3.1 Instruct (issue 35.3)
+def _llama31_instruct(tmp_path):
+    """A tiny Llama 3.1 Instruct folder: config.json's eos_token_id the list of three,
+    the tokenizer's EOS <|eot_id|>, the released template."""
+    import json
+    from pathlib import Path
+
+    import torch
+    from token_layouts import make_layout
+
+    transformers = pytest.importorskip("transformers")
+    template = (Path(__file__).parent / "data" / "chat" / "llama3_1.jinja").read_text(encoding="utf-8")
+    folder = make_layout(tmp_path, "llama3", template=template)
+    ids = json.loads((folder / "config.json").read_text())
+    vocab = build_tokenizer(OmegaConf.create({"tokenizer": str(folder)})).vocab_size
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, **ids)).save_pretrained(folder)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "Hello!"},
+                                             {"role": "assistant", "content": "Hello world."}]}) + "\n")
+    return folder, rows, ids
+
+
+def test_llama31_instruct_chat_launches_with_the_end_of_turn_id(pm, tmp_path) -> None:
+    folder, rows, ids = _llama31_instruct(tmp_path)
+    eot = ids["eos_token_id"][2]
+    assert isinstance(ids["eos_token_id"], list) and ids["eos_token_id"][0] != eot
+    _, job, _ = prepare_job(["model=llama3", f"model.hf={folder}", "data.name=chat", f"data.path={rows}",
+                             "training.seq_len=32"], pm)
+    assert str(job.model.attn_mask) == "block_causal" and job.model.eos_id == eot  # <|eot_id|>
+    # a user's model.eos_id still wins, and is still checked
+    with pytest.raises(ConfigError, match=r"is <\|end_of_text\|>, not the EOS id"):
+        prepare_job(["model=llama3", f"model.hf={folder}", "data.name=chat", f"data.path={rows}",
+                     "training.seq_len=32", f"model.eos_id={ids['eos_token_id'][0]}"], pm)

@@ -88,11 +88,50 @@ def hand_document_mask(spec: ModelSpec, job: DictConfig, model_node: DictConfig)
     return None
 
 
+def _listed_eos(job: DictConfig) -> list[int] | None:
+    """config.json's ``eos_token_id`` of ``model.hf`` where it is a list (Llama 3.1
+    Instruct: ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``), else None."""
+    if not job.model.get("hf"):
+        return None
+    from titan_plugins.hf.config import read_hf_config
+
+    value = read_hf_config(job.model.hf).get("eos_token_id")
+    return [int(v) for v in value] if isinstance(value, list) and value else None
+
+
+def _end_of_turn(job: DictConfig, tokenizer: Any) -> int | None:
+    """The id the chat template ends an assistant turn with (chat data only)."""
+    if job.data.get("name") not in _CHAT_SOURCES:
+        return None
+    from titan_plugins.chat.encode import end_of_turn_ids
+    from titan_plugins.chat.prompting import template_for
+
+    try:
+        ids = end_of_turn_ids(template_for(job.data, None), tokenizer)
+    except ConfigError:
+        return None  # no template: the chat source names the problem at launch
+    return ids[-1] if ids else None
+
+
 def hand_special_tokens(spec: ModelSpec, job: DictConfig, model_node: DictConfig) -> None:
     """Set ``job.model.eos_id`` to the tokenizer's EOS id where the model has the field
     and nobody stated it. ``model_node``: the composed model node before resolution
-    (its unset fields are ``???``)."""
-    if "eos_id" not in job.model or _stated(spec, job, model_node, "eos_id"):
+    (its unset fields are ``???``). Where config.json lists several EOS ids and the user
+    did not set ``model.eos_id``, the one the tokenizer ends a text with (its EOS) or the
+    chat template ends a turn with is taken, if listed: config.json's first id
+    (``<|end_of_text|>``) ends no Llama 3.1 Instruct conversation."""
+    if "eos_id" not in job.model:
+        return
+    user = "eos_id" in model_node and not OmegaConf.is_missing(model_node, "eos_id")
+    listed = None if user else _listed_eos(job)
+    if listed is not None:
+        tok = _tokenizer(job.data)
+        for candidate in (tok.eos_id, _end_of_turn(job, tok)):
+            if candidate in listed:
+                job.model.eos_id = int(candidate)
+                return
+        return
+    if _stated(spec, job, model_node, "eos_id"):
         return
     if job.data.get("name") == "synthetic" and job.data.get("vocab_size"):
         return  # random ids of another vocabulary: no tokenizer is in use
