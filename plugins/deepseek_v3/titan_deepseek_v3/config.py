@@ -187,66 +187,48 @@ class DeepSeekV3Config:
             self.layer.moe.validate(key="model.layer.moe")
 
 
+def _flavor(
+    vocab_size: int, dim: int, n_layers: int, n_dense_layers: int, *, attention: AttentionConfig,
+    mscale: float, ffn_hidden_dim: int, moe: MoELayerConfig,
+) -> DeepSeekV3Config:
+    return DeepSeekV3Config(
+        vocab_size=vocab_size, dim=dim, n_layers=n_layers, n_dense_layers=n_dense_layers,
+        layer=LayerConfig(attention=attention, rope=RopeConfig(mscale=mscale),
+                          ffn=FFNConfig(hidden_dim=ffn_hidden_dim), moe=moe),
+    )
+
+
+def _softmax_moe(hidden_dim: int, num_experts: int, top_k: int) -> MoELayerConfig:
+    # TorchTitan's debugmodel and 16B: two shared experts, softmax scores, no renormalising.
+    return MoELayerConfig(
+        hidden_dim=hidden_dim, num_experts=num_experts, num_shared_experts=2, top_k=top_k,
+        score_func=ScoreFunc.softmax, route_norm=False, score_before_experts=False,
+    )
+
+
 def _debugmodel() -> DeepSeekV3Config:
     # TorchTitan v0.2.2's "debugmodel".
-    return DeepSeekV3Config(
-        vocab_size=2048,
-        dim=256,
-        n_layers=6,
-        n_dense_layers=1,
-        layer=LayerConfig(
-            attention=AttentionConfig(
-                n_heads=16, q_lora_rank=0, kv_lora_rank=512,
-                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-            ),
-            rope=RopeConfig(mscale=0.70),
-            ffn=FFNConfig(hidden_dim=1024),
-            moe=MoELayerConfig(
-                hidden_dim=256, num_experts=8, num_shared_experts=2, top_k=3,
-                score_func=ScoreFunc.softmax, route_norm=False, score_before_experts=False,
-            ),
-        ),
-    )
+    attention = AttentionConfig(n_heads=16, q_lora_rank=0, kv_lora_rank=512,
+                                qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+    return _flavor(2048, 256, 6, 1, attention=attention, mscale=0.70, ffn_hidden_dim=1024,
+                   moe=_softmax_moe(256, 8, top_k=3))
 
 
 def _16b() -> DeepSeekV3Config:
     # DeepSeek-V2-Lite shapes (TorchTitan's "16B").
-    return DeepSeekV3Config(
-        vocab_size=102400,
-        dim=2048,
-        n_layers=27,
-        n_dense_layers=1,
-        layer=LayerConfig(
-            attention=AttentionConfig(n_heads=16, q_lora_rank=0, kv_lora_rank=512),
-            rope=RopeConfig(mscale=0.70),
-            ffn=FFNConfig(hidden_dim=10944),
-            moe=MoELayerConfig(
-                hidden_dim=1408, num_experts=64, num_shared_experts=2, top_k=6,
-                score_func=ScoreFunc.softmax, route_norm=False, score_before_experts=False,
-            ),
-        ),
-    )
+    return _flavor(102400, 2048, 27, 1, attention=AttentionConfig(n_heads=16, q_lora_rank=0, kv_lora_rank=512),
+                   mscale=0.70, ffn_hidden_dim=10944, moe=_softmax_moe(1408, 64, top_k=6))
 
 
 def _671b() -> DeepSeekV3Config:
     # The published DeepSeek-V3 shapes (TorchTitan's "671B").
-    return DeepSeekV3Config(
-        vocab_size=129280,
-        dim=7168,
-        n_layers=61,
-        n_dense_layers=3,
-        layer=LayerConfig(
-            attention=AttentionConfig(n_heads=128, q_lora_rank=1536, kv_lora_rank=512),
-            rope=RopeConfig(mscale=1.0),
-            ffn=FFNConfig(hidden_dim=18432),
-            moe=MoELayerConfig(
-                hidden_dim=2048, num_experts=256, num_shared_experts=1, top_k=8,
-                num_expert_groups=8, num_limited_groups=4,
-                score_func=ScoreFunc.sigmoid, route_norm=True, route_scale=2.5,
-                score_before_experts=False,
-            ),
-        ),
+    moe = MoELayerConfig(
+        hidden_dim=2048, num_experts=256, num_shared_experts=1, top_k=8, num_expert_groups=8,
+        num_limited_groups=4, score_func=ScoreFunc.sigmoid, route_norm=True, route_scale=2.5,
+        score_before_experts=False,
     )
+    return _flavor(129280, 7168, 61, 3, attention=AttentionConfig(n_heads=128, q_lora_rank=1536, kv_lora_rank=512),
+                   mscale=1.0, ffn_hidden_dim=18432, moe=moe)
 
 
 FLAVORS: dict[str, DeepSeekV3Config] = {

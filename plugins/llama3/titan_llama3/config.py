@@ -13,15 +13,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_plugins.components import validation as checks
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.rope_config import RoPEScaling
-from titan_plugins.components.validation import (
-    check_attention_backend,
-    check_divisible,
-    check_pipeline,
-    degree,
-)
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -162,15 +157,15 @@ def validate(config: Llama3Config, parallelism: Any) -> None:
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or ParallelDims."""
     c = config
     c.check()
-    tp = int(degree(parallelism, "tp"))
-    if int(degree(parallelism, "ep")) > 1:
-        raise ConfigError(f"parallelism.ep={degree(parallelism, 'ep')} needs experts; llama3 is dense (use ep=1)")
+    tp = int(checks.degree(parallelism, "tp"))
+    if int(checks.degree(parallelism, "ep")) > 1:
+        raise ConfigError(f"parallelism.ep={checks.degree(parallelism, 'ep')} needs experts; llama3 is dense (use ep=1)")
     if tp > 1:
-        check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
+        checks.check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
         if c.ffn_hidden_dim % tp:
             raise ConfigError(
                 f"the SwiGLU hidden size {c.ffn_hidden_dim} (model.hidden_dim) is not divisible by "
                 f"parallelism.tp={tp}"
             )
-    check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
-    check_attention_backend(c.attn_backend, parallelism)
+    checks.check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
+    checks.check_attention_backend(c.attn_backend, parallelism)

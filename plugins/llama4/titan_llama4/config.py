@@ -10,11 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from titan_plugins.components import validation as checks
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
 from titan_plugins.components.rope_config import RoPEScaling as Llama31Scaling
-from titan_plugins.components.validation import check_divisible, check_pipeline, degree
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -181,14 +181,8 @@ def _moe(num_experts: int) -> MoEConfig:
     # TorchTitan's MoEArgs defaults: 1 shared expert, sigmoid scores applied to the
     # expert inputs, top-1, aux-loss-free balancing with coeff 1e-3.
     return MoEConfig(
-        num_experts=num_experts,
-        num_shared_experts=1,
-        score_func=ScoreFunc.sigmoid,
-        route_norm=False,
-        route_scale=1.0,
-        score_before_experts=True,
-        top_k=1,
-        load_balance_coeff=1e-3,
+        num_experts=num_experts, num_shared_experts=1, top_k=1, load_balance_coeff=1e-3,
+        score_func=ScoreFunc.sigmoid, route_norm=False, route_scale=1.0, score_before_experts=True,
     )
 
 
@@ -283,11 +277,11 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
     """Degrees against the model, before any worker starts; one line naming both
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or a ParallelDims."""
     config.check()
-    tp, ep, etp = (int(degree(parallelism, k)) for k in ("tp", "ep", "etp"))
+    tp, ep, etp = (int(checks.degree(parallelism, k)) for k in ("tp", "ep", "etp"))
     c = config
     n_moe = sum(c.is_moe_layer(i) for i in range(c.n_layers))
     if tp > 1:
-        check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
+        checks.check_divisible((("n_heads", c.n_heads), ("n_kv_heads", c.kv_heads), ("vocab_size", c.vocab_size)), tp)
         if n_moe < c.n_layers and c.ffn_hidden_dim % tp:
             raise ConfigError(
                 f"model dense FFN hidden size {c.ffn_hidden_dim} is not divisible by parallelism.tp={tp}"
@@ -308,4 +302,4 @@ def validate(config: Llama4Config, parallelism: Any) -> None:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"
             )
-    check_pipeline(parallelism, n_layers=c.n_layers)
+    checks.check_pipeline(parallelism, n_layers=c.n_layers)

@@ -10,15 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from titan_plugins.components import validation as checks
 from titan_plugins.components.attention import AttentionBackend
 from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.components.moe.config import MoEConfig, ScoreFunc
-from titan_plugins.components.validation import (
-    check_attention_backend,
-    check_divisible,
-    check_pipeline,
-    degree,
-)
 from titan_plugins.errors import ConfigError
 
 __all__ = [
@@ -165,11 +160,11 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
     numbers. ``parallelism`` is a ``ParallelismConfig``, a DictConfig or ParallelDims."""
     c = config
     c.check()
-    tp, ep, etp = (int(degree(parallelism, k)) for k in ("tp", "ep", "etp"))
+    tp, ep, etp = (int(checks.degree(parallelism, k)) for k in ("tp", "ep", "etp"))
     if tp > 1:
-        check_divisible(((key, getattr(c, key)) for key in ("n_heads", "n_kv_heads", "vocab_size")), tp)
+        checks.check_divisible(((key, getattr(c, key)) for key in ("n_heads", "n_kv_heads", "vocab_size")), tp)
         if not c.moe_enabled:
-            check_divisible((("hidden_dim", c.hidden_dim),), tp)
+            checks.check_divisible((("hidden_dim", c.hidden_dim),), tp)
     expert_tp = (etp if ep > 1 else tp) if c.moe_enabled else 1
     if expert_tp > 1 and c.moe_inter_dim % expert_tp:
         key = "etp" if ep > 1 else "tp"
@@ -183,5 +178,5 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"
             )
-    check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
-    check_attention_backend(c.attn_backend, parallelism)
+    checks.check_pipeline(parallelism, n_layers=c.n_layers, tied=c.enable_weight_tying)
+    checks.check_attention_backend(c.attn_backend, parallelism)
