@@ -52,6 +52,7 @@ class HFModelConfig:
     n_heads: int = 0  # num_attention_heads
     n_kv_heads: int = 0  # num_key_value_heads
     enable_weight_tying: bool = False  # tie_word_embeddings
+    max_seq_len: int | None = None  # max_position_embeddings (the core checks training.seq_len against it)
     attn_implementation: AttnImpl = AttnImpl.sdpa
     hf_config: dict[str, Any] = field(default_factory=dict)  # the rest of config.json, as is
 
@@ -59,13 +60,22 @@ class HFModelConfig:
 # typed field <- config.json field
 _TYPED = (("vocab_size", "vocab_size"), ("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
           ("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
-          ("enable_weight_tying", "tie_word_embeddings"))
+          ("enable_weight_tying", "tie_word_embeddings"), ("max_seq_len", "max_position_embeddings"))
+_OPTIONAL = ("tie_word_embeddings", "max_position_embeddings")  # absent: the architecture's default
 # config.json fields that describe the file, not the model (rewritten on export)
 _BOOKKEEPING = ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
     return ConfigError(f"config.json: {key}={value!r}: {why}")
+
+
+def _architecture_default(model_type: str, key: str) -> Any:
+    """transformers' default for a field config.json leaves out (imports transformers:
+    only for a folder, at launch, never for listing plugins)."""
+    from transformers import AutoConfig
+
+    return getattr(AutoConfig.for_model(model_type), key, None)
 
 
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
@@ -87,7 +97,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if value is None and theirs == "num_key_value_heads":
             value = hf.get("num_attention_heads")  # transformers' default: multi-head attention
         if value is None and theirs == "tie_word_embeddings":
-            continue  # the architecture's own default (read by the builder)
+            value = _architecture_default(hf["model_type"], theirs)
+        if value is None and theirs in _OPTIONAL:
+            continue
         if value is None:
             raise _bad(theirs, None, f"{arch} needs it")
         if ours != "enable_weight_tying" and (isinstance(value, bool) or not isinstance(value, int)):
@@ -106,7 +118,8 @@ def hf_dict(config: HFModelConfig) -> dict[str, Any]:
                           "with config.json and *.safetensors) or a test flavor (model.flavor=tiny_llama, ...)")
     out = dict(copy.deepcopy(config.hf_config))
     for ours, theirs in _TYPED:
-        out[theirs] = getattr(config, ours)
+        if getattr(config, ours) is not None:
+            out[theirs] = getattr(config, ours)
     n = config.n_layers
     for key in ("layer_types", "no_rope_layers"):  # per-layer lists follow model.n_layers
         if isinstance(out.get(key), list):

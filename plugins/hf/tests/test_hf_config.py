@@ -1,0 +1,102 @@
+"""``model=hf`` config: the node typed from config.json, and the one-line refusals
+(unknown architecture, no folder, layouts a model cannot take), all before any rank."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from titan_hf.config import FLAVORS, SUPPORTED, config_from_hf, config_to_hf  # noqa: E402
+from titan_hf.testing import save_folder  # noqa: E402
+
+from titan_plugins.errors import ConfigError  # noqa: E402
+from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.train.api import prepare_job  # noqa: E402
+
+SYNTH = ["data=synthetic", "data.vocab_size=256", "training.seq_len=16"]
+
+
+def _job(*overrides):
+    return prepare_job(["model=hf", *SYNTH, *overrides], get_plugin_manager())
+
+
+def _one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_folder("tiny_mistral", tmp_path_factory.mktemp("hf_cfg") / "mistral")
+
+
+def test_folder_types_the_node(folder):
+    spec, job, _ = _job(f"model.hf={folder}")
+    assert job.model.architecture == "MistralForCausalLM"
+    assert (job.model.dim, job.model.n_layers, job.model.n_heads, job.model.n_kv_heads) == (64, 2, 4, 2)
+    assert job.model.vocab_size == 256 and job.model.max_seq_len == 128
+    assert job.model.hf_config["model_type"] == "mistral"
+    assert "hidden_size" not in job.model.hf_config  # one source of truth: the typed field
+
+
+def test_typed_override_on_top_of_the_folder(folder):
+    _, job, _ = _job(f"model.hf={folder}", "model.n_layers=1", "model.hf_partial=true")
+    assert job.model.n_layers == 1
+    with pytest.raises(ConfigError) as info:
+        _job(f"model.hf={folder}", "model.n_layers=one")
+    assert "model.n_layers" in _one_line(info)
+
+
+def test_no_folder_is_one_line():
+    with pytest.raises(ConfigError) as info:
+        _job()
+    assert "model.hf is not set" in _one_line(info)
+
+
+def test_missing_folder_is_one_line(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _job(f"model.hf={tmp_path / 'nope'}")
+    assert "model.hf=" in _one_line(info) and "no such folder" in str(info.value)
+
+
+def test_unknown_architecture_names_the_supported_list(tmp_path, folder):
+    bad = tmp_path / "bert"
+    bad.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForMaskedLM"]}))
+    (bad / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    with pytest.raises(ConfigError) as info:
+        _job(f"model.hf={bad}")
+    text = _one_line(info)
+    assert "architectures=['BertForMaskedLM']" in text
+    assert all(arch in text for arch in SUPPORTED)
+
+
+@pytest.mark.parametrize("layout, match", [
+    (["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"],
+     "experts are one fused module"),
+    (["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.world_size=2", "model.flavor=tiny_llama"],
+     "has no experts"),
+    (["parallelism.tp=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"], "declares no tensor-parallel plan"),
+    (["parallelism.pp=2", "parallelism.world_size=2", "model.flavor=tiny_gemma3"], "enable_weight_tying=true"),
+    (["parallelism.tp=4", "parallelism.world_size=4", "model.flavor=tiny_llama"], "model.n_kv_heads=2 is not divisible"),
+    (["model.flavor=tiny_gpt_oss", "model.attn_implementation=sdpa"], "eager attention only"),
+])
+def test_layouts_a_model_cannot_take(layout, match):
+    with pytest.raises(ConfigError) as info:
+        _job(*layout)
+    assert match in _one_line(info)
+
+
+@pytest.mark.parametrize("name", [n for n in FLAVORS if n != "folder"])
+def test_flavor_round_trips_through_config_json(name):
+    flavor = FLAVORS[name]
+    again = config_from_hf(config_to_hf(flavor))
+    assert again["architecture"] == flavor.architecture
+    assert again["hf_config"] == flavor.hf_config
+    assert (again["dim"], again["n_layers"], again["enable_weight_tying"]) == \
+        (flavor.dim, flavor.n_layers, flavor.enable_weight_tying)
