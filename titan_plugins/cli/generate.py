@@ -94,7 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text()
         if not loaded.tokenizer.encode(text):
             raise ConfigError("--prompt: encodes to no tokens")
-        ids = encode_prompt(loaded.tokenizer, text)  # BOS first, as training packs a document
+        ids = encode_prompt(loaded.tokenizer, text)  # as transformers tokenizes it (the BOS it adds)
     eos = stop if stop is not None else getattr(loaded.tokenizer, "eos_id", None)
     cfg.eos_id = None if args.ignore_eos or eos is None or eos < 0 else eos
     prompt = torch.tensor([ids], device=device)

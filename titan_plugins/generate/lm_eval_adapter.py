@@ -5,9 +5,10 @@ greedy decoding would produce it), ``loglikelihood_rolling`` a whole text in win
 the model's context, ``generate_until`` decodes greedily (KV cache) until a stop string.
 One process, one request at a time: meant for small local tasks, not throughput.
 
-Every context is tokenized as training tokenized a document's start
-(``generate.prompt.document_start``: BOS where the tokenizer has one, else EOS), so
-an empty context is that prefix alone.
+Every context is tokenized as transformers tokenizes a text, which is how training
+starts a document (``generate.prompt.encode_prompt``: what the tokenizer adds before a
+text, then the text); an empty context, and the first token of a rolling text, follow
+``document_start`` (that prefix, else EOS: lm-eval's ``prefix_token_id``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.model import LM
 
-from titan_plugins.generate.prompt import document_start
+from titan_plugins.generate.prompt import document_start, encode_prompt, text_prefix
 from titan_plugins.generate.sampling import SamplingConfig, generate
 
 
@@ -28,7 +29,7 @@ class TitanLM(LM):
         self.model, self.tok, self.max_length, self._device = model.eval(), tokenizer, max_length, device
         eos = getattr(tokenizer, "eos_id", None)
         self.eos_id = eos if eos is not None and eos >= 0 else None
-        self.prefix = document_start(tokenizer)  # what a training document starts after
+        self.prefix = document_start(tokenizer)  # what a text with no context follows
 
     @torch.no_grad()
     def _logprobs(self, ids: list[int], n_target: int) -> tuple[float, bool]:
@@ -44,7 +45,7 @@ class TitanLM(LM):
         out = []
         for req in requests:
             context, continuation = req.args
-            ctx = self.prefix + (self.tok.encode(context) if context else [])
+            ctx = encode_prompt(self.tok, context) if context else list(self.prefix)
             cont = self.tok.encode(continuation)
             out.append(self._logprobs(ctx + cont, len(cont)))
         return out
@@ -71,8 +72,9 @@ class TitanLM(LM):
             context, kwargs = req.args
             until = kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
-            room = self.max_length - len(self.prefix)
-            ids = self.prefix + self.tok.encode(context)[-room:]
+            head = text_prefix(self.tok)  # what the tokenizer adds before a text
+            room = self.max_length - len(head)
+            ids = head + self.tok.encode(context)[-room:]
             budget = min(int(kwargs.get("max_gen_toks", 64)), self.max_length - len(ids))
             cfg = SamplingConfig(max_new_tokens=max(budget, 1), eos_id=self.eos_id)
             new = generate(self.model, torch.tensor([ids], device=self._device), cfg)[0].tolist()
