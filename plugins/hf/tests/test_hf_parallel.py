@@ -76,3 +76,21 @@ def test_layout_equals_one_rank(runs, layout):
     base, got = out["single"].losses, out[layout].losses
     assert max(abs(a - b) for a, b in zip(base, got, strict=True)) <= 1e-5, (base, got)
     assert base[0] != base[-1]  # it trained
+
+
+@pytest.mark.extended
+def test_moe_pp2_and_fsdp2_ac_equal_one_rank(tmp_path):
+    """GPT-OSS (fused MoE experts, sinks, sliding + full layers, eager attention): pp2
+    (embeddings first, norm + head last, rotary on both stages) and fsdp2 with full
+    activation checkpointing equal one rank within 1e-5 over 3 steps."""
+    folder = save_folder("tiny_gpt_oss", tmp_path / "gpt_oss")
+    base = [*COMMON, f"model.hf={folder}", "parallelism=single"]
+    single = api.run(base, run_dir=tmp_path / "single", timeout=TIMEOUT)
+    assert single.ok, single.error
+    for name, layout in (("pp2", ["parallelism=pp2"]),
+                         ("fsdp2_ac", ["parallelism=fsdp2", "training.activation_checkpoint=full"])):
+        overrides, _ = match_global_batch(base, [*COMMON, f"model.hf={folder}", *layout])
+        result = api.run(overrides, run_dir=tmp_path / name, timeout=TIMEOUT)
+        assert result.ok, f"{name}: {result.error}"
+        diff = max(abs(a - b) for a, b in zip(single.losses, result.losses, strict=True))
+        assert diff <= 1e-5, (name, single.losses, result.losses)
