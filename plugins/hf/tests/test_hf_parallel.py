@@ -60,6 +60,7 @@ def _first_batch(result) -> torch.Tensor:
     return batch[0], batch[1]
 
 
+@pytest.mark.slow
 def test_step1_loss_equals_transformers(runs):
     folder, out = runs
     inputs, labels = _first_batch(out["single"])
@@ -70,6 +71,7 @@ def test_step1_loss_equals_transformers(runs):
     assert abs(out["single"].losses[0] - float(want)) <= 1e-5, (out["single"].losses[0], float(want))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2"])
 def test_layout_equals_one_rank(runs, layout):
     _, out = runs
@@ -78,6 +80,7 @@ def test_layout_equals_one_rank(runs, layout):
     assert base[0] != base[-1]  # it trained
 
 
+@pytest.mark.slow
 @pytest.mark.extended
 def test_moe_pp2_and_fsdp2_ac_equal_one_rank(tmp_path):
     """GPT-OSS (fused MoE experts, sinks, sliding + full layers, eager attention): pp2

@@ -26,9 +26,11 @@ def titan_register_models(register):
                 first_stage_modules=("tok_embeddings",),
                 last_stage_modules=("norm", "output"),
             ),
-            # What the hook implements; validate() refuses in one line what a
-            # folder's structure cannot take (no TP plan; EP, which is not implemented).
-            capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
+            # What the hook implements; validate() refuses in one line what a folder's
+            # structure cannot take (no TP plan, tied + PP). No EP: transformers 5 fuses
+            # MoE experts into one module with its own routing loop, which has no token
+            # dispatch across ranks (shard the experts with dp_shard instead).
+            capabilities=Capabilities(fsdp=True, tp=True, ep=False, pp=True),
             description="any transformers 5.x causal LM folder (Llama, Mistral, Qwen3, Gemma 3, Phi-3, OLMo-2, GPT-OSS)",
         )
     )

@@ -33,8 +33,8 @@ def _flat(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def _value(config: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        config = getattr(config, part)
+    for part in dotted.split("."):  # a schema's dict field (free-form values) is walked by key
+        config = config[part] if isinstance(config, dict) else getattr(config, part)
     return config.value if isinstance(config, Enum) else config
 
 
