@@ -97,11 +97,13 @@ def _run(args: argparse.Namespace) -> int:
         ids = encode_prompt(loaded.tokenizer, text)  # as transformers tokenizes it (the BOS it adds)
     eos = stop if stop is not None else getattr(loaded.tokenizer, "eos_id", None)
     cfg.eos_id = None if args.ignore_eos or eos is None or eos < 0 else eos
+    if cfg.eos_id is not None and stop is None:  # every EOS the folder ends generation with
+        cfg.stop_ids = tuple(getattr(loaded.tokenizer, "eos_ids", ()))
     prompt = torch.tensor([ids], device=device)
     start = time.perf_counter()
     out = generate(loaded.model, prompt, cfg)[0].tolist()
     elapsed = time.perf_counter() - start
-    if cfg.eos_id is not None and out and out[-1] == cfg.eos_id:
+    if out and out[-1] in cfg.stops():
         out = out[:-1]
     print(text + loaded.tokenizer.decode(out), flush=True)
     if args.stats:

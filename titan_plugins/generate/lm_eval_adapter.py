@@ -76,10 +76,12 @@ class TitanLM(LM):
             room = self.max_length - len(head)
             ids = head + self.tok.encode(context)[-room:]
             budget = min(int(kwargs.get("max_gen_toks", 64)), self.max_length - len(ids))
-            cfg = SamplingConfig(max_new_tokens=max(budget, 1), eos_id=self.eos_id)
+            cfg = SamplingConfig(max_new_tokens=max(budget, 1), eos_id=self.eos_id,
+                                 stop_ids=tuple(getattr(self.tok, "eos_ids", ())))
             new = generate(self.model, torch.tensor([ids], device=self._device), cfg)[0].tolist()
-            if self.eos_id in new:
-                new = new[: new.index(self.eos_id)]
+            ends = [k for k, t in enumerate(new) if t in cfg.stops()]
+            if ends:
+                new = new[: ends[0]]
             text = self.tok.decode(new)
             for stop in until:
                 if stop and stop in text:

@@ -24,7 +24,13 @@ class SamplingConfig:
     top_p: float = 1.0  # 1 = off
     seed: int = 0
     eos_id: int | None = None
+    stop_ids: tuple[int, ...] = ()  # more ids that end a row (generation_config's EOS list)
     use_cache: bool = True
+
+    def stops(self) -> list[int]:
+        """Every id that ends a row: ``eos_id`` first, then ``stop_ids``."""
+        out = [] if self.eos_id is None else [int(self.eos_id)]
+        return out + [int(i) for i in self.stop_ids if int(i) not in out]
 
     def check(self) -> None:
         if self.max_new_tokens < 1:
@@ -63,7 +69,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, cfg: SamplingConfig) -> tor
     With ``cfg.use_cache`` the prompt runs once and each new token is one position
     through the model (its ``forward(tokens, cache=KVCache)``); without, the whole
     sequence runs again for every token (the reference the cache must reproduce).
-    Stops when every row has produced ``cfg.eos_id``.
+    Stops when every row has produced ``cfg.eos_id`` or one of ``cfg.stop_ids`` (a row
+    that has is filled with that id, like transformers' padding after EOS).
     """
     cfg.check()
     was_training = model.training
@@ -73,6 +80,8 @@ def generate(model: nn.Module, prompt: torch.Tensor, cfg: SamplingConfig) -> tor
     seq = prompt
     new: list[torch.Tensor] = []
     done = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
+    stops = cfg.stops()
+    stop_tensor = torch.tensor(stops, dtype=prompt.dtype, device=prompt.device)
     step_in = prompt
     try:
         for _ in range(cfg.max_new_tokens):
@@ -82,13 +91,13 @@ def generate(model: nn.Module, prompt: torch.Tensor, cfg: SamplingConfig) -> tor
             else:
                 logits = model(seq)
             nxt = sample_next(logits[:, -1, :], cfg, generator)
-            if cfg.eos_id is not None:
-                nxt = torch.where(done, torch.full_like(nxt, cfg.eos_id), nxt)
-                done = done | (nxt == cfg.eos_id)
+            if stops:
+                nxt = torch.where(done, torch.full_like(nxt, stops[0]), nxt)
+                done = done | torch.isin(nxt, stop_tensor)
             new.append(nxt)
             step_in = nxt.unsqueeze(1)
             seq = torch.cat([seq, step_in], dim=1)
-            if cfg.eos_id is not None and bool(done.all()):
+            if stops and bool(done.all()):
                 break
     finally:
         model.train(was_training)
