@@ -16,6 +16,7 @@ import torch
 from titan_plugins.components.attention_masks import document_ids, documents
 from titan_plugins.config.schema import DataConfig
 from titan_plugins.errors import ConfigError
+from titan_plugins.objectives.sft import SFTObjective
 from titan_plugins.train.data import build_dataloader, build_tokenizer
 from titan_plugins.train.data.builtin import DATASETS
 from titan_plugins.train.data.chat_source import CHAT_TOKENIZER, make_chat_tokenizer
@@ -272,7 +273,7 @@ def test_a_global_batch_without_a_trainable_token_is_one_error():
     from titan_plugins.train.data.loader import Batch
     from titan_plugins.train.trainer import Trainer
 
-    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), loss_fn=GlobalTokenLoss(),
+    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(),
                            job=SimpleNamespace(data=SimpleNamespace(name="chat")))
     x = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ConfigError, match="no trainable token"):
@@ -348,7 +349,7 @@ def test_trainer_refuses_packed_rows_a_model_ignores():
     from titan_plugins.train.data.loader import Batch
     from titan_plugins.train.trainer import Trainer
 
-    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), loss_fn=GlobalTokenLoss(),
+    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(),
                            job=SimpleNamespace(data=SimpleNamespace(name="chat")),
                            model=SimpleNamespace(pp=False, parts=[_tiny_qwen3("causal")]),
                            _loss_context=contextlib.nullcontext)
@@ -356,3 +357,28 @@ def test_trainer_refuses_packed_rows_a_model_ignores():
     docs = torch.tensor([[0] * 4 + [1] * 4] * 2)
     with pytest.raises(ConfigError, match="ignored their document ids"):
         Trainer.train_step(fake, [Batch(x, x, docs)])
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_chat_file_smaller_than_one_row_trains_padded(tmp_path, tok, pack):
+    """Issue 35.5: one short conversation (fewer than training.seq_len + 1 tokens in the
+    whole file) is a padded row, every epoch, as the docs say; raw text that small is
+    refused naming the tokens it has and needs."""
+    from titan_plugins.chat.encode import encode_conversation
+    from titan_plugins.chat.formats import ChatFields, to_messages
+    from titan_plugins.chat.template import load_chat_template
+
+    row = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]}
+    path = write_jsonl(tmp_path / "one.jsonl", [row])
+    ids, mask = encode_conversation(to_messages(row, ChatFields(), where="1"),
+                                    load_chat_template(None, CHAT_TOKENIZER), tok)
+    assert len(ids) < 128
+    batch = next(loader(chat_config(path, pack=pack), tok, batch=2, seq_len=128))
+    n = len(ids) - 1
+    for x, y in zip(batch[0], batch[1]):  # both rows: the conversation, then padding
+        assert x[:n].tolist() == ids[:-1] and (x[n:] == tok.pad_id).all()
+        assert y[:n].tolist() == [t if m else IGNORE_INDEX for t, m in zip(ids[1:], mask[1:])]
+        assert (y[n:] == IGNORE_INDEX).all()
+    (tmp_path / "tiny.txt").write_text("hi there")
+    with pytest.raises(ConfigError, match=r"holds \d+ tokens, fewer than training.seq_len \+ 1 = 129"):
+        next(loader(DataConfig(name="text", path=str(tmp_path / "tiny.txt"), num_workers=0), tok, seq_len=128))

@@ -95,10 +95,15 @@ def gather(pm: TitanPluginManager) -> dict[str, Any]:
             "config_groups": groups,
             "error": info.error,
         })
+    from titan_plugins.objectives.registry import discover
+
+    objectives = discover()  # the entry-point group titan_plugins.objectives (and the core's own)
     return {
         "core": {"dist": "titan-plugins", "version": __version__, "api": API_VERSION},
         "plugins": plugins,
-        "errors": list(pm.errors),
+        "objectives": [{"name": spec.name, "origin": objectives.origins[spec.name], "data": spec.data.value,
+                        "description": spec.description} for spec in objectives.specs.values()],
+        "errors": list(pm.errors) + objectives.errors,
     }
 
 
@@ -140,6 +145,9 @@ def run_list(args: argparse.Namespace, pm: TitanPluginManager) -> int:
             out.append(f"  config:   {group}: {', '.join(options)}")
         if p["error"]:
             out.append(f"  error:    {p['error']}")
+    out.append("")
+    out.append("objectives (objective=NAME):")
+    out.extend(f"  {o['name']:<10} {o['origin']}  [{o['data']}]  {o['description']}" for o in data["objectives"])
     if data["errors"]:
         out.append("")
         out.append(f"{len(data['errors'])} load error(s):")

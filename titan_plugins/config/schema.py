@@ -140,6 +140,23 @@ class ChatDataConfig:
 
 
 @dataclass
+class PreferenceDataConfig:
+    """``data.name=preference`` (titan_plugins/train/data/preference_source.py): TRL's
+    preference rows, conversational (``prompt`` messages + ``chosen``/``rejected``
+    assistant messages) or implicit-prompt (``chosen``/``rejected`` whole conversations
+    sharing their prompt)."""
+
+    prompt_field: str = "prompt"
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
+    template: str | None = None  # as data.chat.template: a .jinja file or a shipped name; default the tokenizer's
+    max_prompt_length: int | None = ranged(None, "[1, inf)")  # prompt tokens kept (None: no limit)
+    max_completion_length: int | None = ranged(None, "[1, inf)")  # completion tokens kept (None: no limit)
+    truncation_mode: str = "keep_end"  # keep_end: a long prompt loses its start | keep_start: its end
+    overlong: str = "truncate"  # a pair over training.seq_len: truncate (the completion's end) | drop | error
+
+
+@dataclass
 class DataConfig:
     name: str = "builtin"  # a registered dataset: builtin, synthetic, text, jsonl, parquet, hf, mix
     path: str | None = None  # file, directory or local dataset for text/jsonl/hf
@@ -151,6 +168,7 @@ class DataConfig:
     prefetch_factor: int = ranged(2, "[1, inf)")  # batches each worker prepares ahead
     mix: list[Any] = field(default_factory=list)  # data.name=mix: [{name, path, weight}, ...]
     chat: ChatDataConfig = field(default_factory=ChatDataConfig)  # data.name=chat
+    preference: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # data.name=preference
 
 
 @dataclass
@@ -241,6 +259,20 @@ class ValidationConfig:
 
 
 @dataclass
+class ObjectiveConfig:
+    """``objective=<name>`` (titan_plugins/objectives): what the train step minimises.
+    The knobs of the DPO family are named as TRL's DPOConfig/CPOConfig/ORPOConfig name
+    them; a third-party objective reads its own from ``options``."""
+
+    name: str = "sft"  # sft | dpo | an installed objective (titan-plugins list)
+    loss_type: str = "sigmoid"  # dpo: sigmoid | ipo | hinge | robust | simpo | orpo
+    beta: float = ranged(0.1, "(0, inf)")  # the KL weight (simpo: the reward scale; orpo: the odds-ratio weight)
+    label_smoothing: float = ranged(0.0, "[0, 0.5)")  # robust: the assumed share of flipped labels
+    simpo_gamma: float = ranged(0.5, "[0, inf)")  # simpo: the target reward margin
+    options: dict[str, Any] = field(default_factory=dict)  # a third-party objective's own knobs
+
+
+@dataclass
 class JobConfig:
     model: Any = MISSING
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -253,4 +285,5 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # peft=lora: titan_plugins/peft
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # objective=dpo: titan_plugins/objectives
     run_dir: str = "."  # set by titan-run to Hydra's output directory

@@ -20,12 +20,10 @@ import torch.distributed as dist
 from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.clip_grad import clip_grad_norm_
 from titan_plugins.distributed.parallel_dims import ParallelDims, default_device_and_backend
-from titan_plugins.distributed.pipeline import stage_inputs
-from titan_plugins.errors import ConfigError
+from titan_plugins.objectives.step import primary, run_microbatches
 from titan_plugins.spec import ModelSpec
 from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
 from titan_plugins.train.lifecycle import ModelParts, build_model_parts
-from titan_plugins.train.loss import GlobalTokenLoss, count_tokens
 from titan_plugins.train.metrics import memory_gib
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
 from titan_plugins.train.peak import mfu_percent, run_peak_tflops
@@ -84,9 +82,12 @@ class Trainer:
         set_determinism(job)
         self.steps = int(job.training.steps)
         self.accum = int(job.training.grad_accum_steps)
-        self.loss_fn = GlobalTokenLoss()
+        from titan_plugins.objectives.registry import build_objective
 
-        self.model: ModelParts = build_model_parts(spec, job, self.dims, self.device, pm, self.loss_fn)
+        # The loss lives behind the objective (objective=sft by default: titan_plugins/objectives).
+        self.objective = build_objective(job.get("objective"))
+        self.model: ModelParts = build_model_parts(spec, job, self.dims, self.device, pm,
+                                                   self.objective.pipeline_loss())
         if job.checkpoint.init_from:
             load_model_weights(self.model.parts, job.checkpoint.init_from)
         elif job.model.get("hf"):  # each rank reads only its shards' slices
@@ -97,6 +98,11 @@ class Trainer:
             from titan_plugins.peft.checkpoint import load_adapter_folder
 
             load_adapter_folder(self.model.parts, spec, model_config(job.model, spec), job)
+        self.reference = None
+        if self.objective.needs_reference:  # from the starting weights, loaded above
+            from titan_plugins.objectives.reference import build_reference
+
+            self.reference = build_reference(self)
 
         self.optimizers = [build_optimizer(part, job.training) for part in self.model.parts]
         self.schedulers = [build_lr_scheduler(opt, job.training) for opt in self.optimizers]
@@ -149,57 +155,14 @@ class Trainer:
 
     # ------------------------------------------------------------------ step
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
-        """One optimizer step; returns (global loss, grad norm, global tokens).
+        """One optimizer step; returns (global loss, grad norm, global count).
 
-        The loss is the sum of the token losses whose label is not ``IGNORE_INDEX`` over
-        the whole global batch (every DP rank, every microbatch), divided by the number
-        of such tokens: the same at any layout. A batch may carry ``doc_ids`` (packed
-        conversations): the forward runs under ``documents(doc_ids)``."""
-        from torch.distributed.tensor import DTensor
-
-        from titan_plugins.components.attention_masks import documents
-
-        tokens = sum(count_tokens(batch[1]) for batch in batches).to(torch.float64)
-        if self.dp_group is not None:
-            tokens = tokens.to(self.device)
-            dist.all_reduce(tokens, group=self.dp_group)
-        global_tokens = float(tokens.item())
-        if global_tokens == 0:  # every rank sees the same sum: all stop together
-            raise ConfigError(
-                f"data.name={self.job.data.name}: a global batch has no trainable token (every label "
-                "is masked): the loss would be 0/0; check data.chat.train_on and the data"
-            )
-        self.loss_fn.global_tokens = global_tokens
-
-        def local(x: torch.Tensor) -> torch.Tensor:
-            return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
-
-        loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        for batch in batches:
-            inputs, labels = batch[0].to(self.device), batch[1].to(self.device)
-            doc_ids = getattr(batch, "doc_ids", None)
-            with documents(None if doc_ids is None else doc_ids.to(self.device)) as docs:
-                if self.model.pp:
-                    losses: list[torch.Tensor] = []
-                    extra = stage_inputs(self.model.parts[0], self.spec.pipeline, inputs)
-                    with self._loss_context():
-                        if self.model.has_first:
-                            self.model.schedule.step(inputs, target=labels, losses=losses, **extra)
-                        else:
-                            self.model.schedule.step(target=labels, losses=losses, **extra)
-                    for mb_loss in losses:
-                        loss_sum += local(mb_loss).float()
-                else:
-                    with self._loss_context():
-                        loss = self.loss_fn(self.model.parts[0](inputs), labels)
-                        loss.backward()
-                    loss_sum += local(loss).float()
-            if docs is not None and not docs.used:
-                raise ConfigError(
-                    f"data.name={self.job.data.name} packs several documents per row, but the model "
-                    "ignored their document ids (they would attend to each other): set "
-                    "model.attn_mask=block_causal where the model has it, or data.chat.pack=false"
-                )
+        The objective (``objective.name``) computes the loss of each microbatch as its
+        share of the whole global batch's (every DP rank, every microbatch), so the loss
+        is the same at any layout; ``self.step_metrics`` holds the objective's other
+        metrics of the step (DPO's rewards/*, logps/*)."""
+        loss_sum, sums, count = run_microbatches(self, batches, train=True)
+        self.step_metrics = self.objective.metrics(sums, count) if sums else {}
 
         grad_norm = clip_grad_norm_(
             self.model.parameters(), float(self.job.training.max_norm), pp_group=self.pp_group
@@ -215,7 +178,7 @@ class Trainer:
             dist.all_reduce(loss_sum, group=self.dp_group)
         if self.pp_group is not None:
             dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage holds a loss
-        return float(loss_sum.item()), float(grad_norm.item()), global_tokens
+        return float(loss_sum.item()), float(grad_norm.item()), primary(count)
 
     def data_counts(self) -> str | None:
         """What the training source counted (chat: conversations truncated, dropped, skipped),
@@ -282,6 +245,7 @@ class Trainer:
                 "memory_gib": memory_gib(self.device.type),
                 "step_time_s": dt,
             }
+            metrics.update(self.step_metrics)  # the objective's own (DPO: rewards/*, logps/*)
             if self.peak_tflops:
                 mfu = mfu_percent(tflops, self.peak_tflops)
                 if mfu is not None:

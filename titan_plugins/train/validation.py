@@ -12,25 +12,22 @@ last stage computes the loss, as in training.
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from titan_plugins.components.attention_masks import documents
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.loss import count_tokens
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-__all__ = ["Validator", "validation_data_config"]
+__all__ = ["Validator", "moe_counters_kept", "resharded", "validation_data_config"]
 
 # Sources that are one file or folder with no notion of a split: the held-out rows
 # need their own validation.path.
-_NO_SPLIT = ("text", "jsonl", "parquet", "mix", "chat")
+_NO_SPLIT = ("text", "jsonl", "parquet", "mix", "chat", "preference")
 
 
 def validation_data_config(job: DictConfig) -> Any:
@@ -65,7 +62,7 @@ def check_validation(job: DictConfig) -> None:
 
 
 @contextlib.contextmanager
-def _resharded(parts: list[torch.nn.Module]):
+def resharded(parts: list[torch.nn.Module]):
     """Reshard every FSDP unit after the forward passes. FSDP2 keeps the units that do not
     reshard after forward (the last block, the head, every unit under PP) unsharded until
     their backward, which a forward-only pass never runs: the modules would keep the
@@ -84,7 +81,7 @@ def _resharded(parts: list[torch.nn.Module]):
 
 
 @contextlib.contextmanager
-def _moe_counters_kept(parts: list[torch.nn.Module]):
+def moe_counters_kept(parts: list[torch.nn.Module]):
     """Forward passes add to every MoE's ``tokens_per_expert``; put them back after."""
     saved = [(buf, buf.detach().clone()) for part in parts
              for name, buf in part.named_buffers() if name.endswith("tokens_per_expert")]
@@ -123,50 +120,28 @@ class Validator:
 
     @torch.no_grad()
     def run(self) -> dict[str, float]:
-        """``{"loss", "perplexity", "tokens"}`` over the held-out batches, on every rank."""
+        """The objective's held-out record over the batches, on every rank (SFT:
+        ``{"loss", "perplexity", "tokens"}``): each batch's mean loss weighted by its
+        count (tokens, pairs), through the train step's own microbatch loop."""
+        from titan_plugins.objectives.step import add_counts, primary, run_microbatches
+
         t = self.trainer
         model = t.model
-        loss_fn = t.loss_fn
-        saved_tokens = loss_fn.global_tokens
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
-        tokens_sum = 0.0
+        count_sum: Any = None
+        sums: dict[str, float] = {}
         rows = iter(self._loader())
-        with _moe_counters_kept(model.parts), _resharded(model.parts):
+        with moe_counters_kept(model.parts), resharded(model.parts):
             for _ in range(self.steps):
-                batch = next(rows)
-                inputs, labels = batch[0].to(t.device), batch[1].to(t.device)
-                doc_ids = getattr(batch, "doc_ids", None)  # packed conversations
-                docs = documents(None if doc_ids is None else doc_ids.to(t.device))
-                tokens = count_tokens(labels).to(torch.float64).to(t.device)
-                if t.dp_group is not None:
-                    dist.all_reduce(tokens, group=t.dp_group)
-                loss_fn.global_tokens = float(tokens.item())
-                tokens_sum += loss_fn.global_tokens
-                batch_loss = torch.zeros((), dtype=torch.float64, device=t.device)
-                with t._loss_context(), docs:
-                    if model.pp:
-                        from titan_plugins.distributed.pipeline import stage_inputs
-
-                        losses: list[torch.Tensor] = []
-                        extra = stage_inputs(model.parts[0], t.spec.pipeline, inputs)
-                        args = (inputs,) if model.has_first else ()
-                        model.schedule.eval(*args, target=labels, losses=losses, **extra)
-                        for mb_loss in losses:
-                            batch_loss += _local(mb_loss).double()
-                    else:
-                        batch_loss += _local(loss_fn(model.parts[0](inputs), labels)).double()
-                # the batch's mean loss, weighted by its tokens
-                loss_sum += batch_loss * loss_fn.global_tokens
-        loss_fn.global_tokens = saved_tokens
+                batch_loss, batch_sums, count = run_microbatches(t, [next(rows)], train=False,
+                                                                 acc_dtype=torch.float64)
+                count_sum = add_counts(count_sum, count)
+                loss_sum += batch_loss * primary(count)  # the batch's mean loss, weighted by its count
+                for key, value in batch_sums.items():
+                    sums[key] = sums.get(key, 0.0) + value
+        t.objective.set_scale(1.0)  # the next train step sets its own
         if t.dp_group is not None:
             dist.all_reduce(loss_sum, group=t.dp_group)
         if t.pp_group is not None:
             dist.all_reduce(loss_sum, group=t.pp_group)  # only the last stage holds a loss
-        loss = float(loss_sum.item()) / tokens_sum
-        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "tokens": tokens_sum}
-
-
-def _local(x: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+        return t.objective.validation_metrics(float(loss_sum.item()) / primary(count_sum), sums, count_sum)

@@ -1,0 +1,116 @@
+"""The microbatch loop the train step and the validator share: count, forward (the
+reference's too where the objective needs it), the objective's loss, backward.
+
+Nothing in it knows an objective by name: the objective says what a microbatch counts
+(``count``), what it needs of the reference (``reference_stats``) and what its loss
+and metric sums are (``loss``). Under PP the schedule runs the objective's
+``pipeline_loss`` on the last stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["add_counts", "global_count", "primary", "run_microbatches"]
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
+
+
+def global_count(trainer: Any, batches: list[Any]) -> float | tuple[float, ...]:
+    """The objective's count over ``batches`` summed over the data-parallel ranks; the
+    same on every rank, so a 0 stops every rank together (one line)."""
+    objective = trainer.objective
+    total = sum(objective.count(batch[1]) for batch in batches).to(torch.float64)
+    if trainer.dp_group is not None:
+        total = total.to(trainer.device)
+        dist.all_reduce(total, group=trainer.dp_group)
+    count: float | tuple[float, ...] = float(total.item()) if total.dim() == 0 else tuple(total.tolist())
+    if primary(count) == 0:
+        raise ConfigError(objective.empty_message(trainer.job))
+    return count
+
+
+def primary(count: float | tuple[float, ...]) -> float:
+    """The count a loss averages over (an objective may count more: DPO pairs and tokens)."""
+    return count if isinstance(count, float) else count[0]
+
+
+def add_counts(a: Any, b: Any) -> Any:
+    return b if a is None else (a + b if isinstance(a, float) else tuple(x + y for x, y in zip(a, b)))
+
+
+def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
+                     acc_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict[str, float], Any]:
+    """``(loss, sums, count)`` of ``batches`` on this rank: ``loss`` this rank's part of
+    the global loss (summed in ``acc_dtype``; the caller all-reduces it), ``sums`` the
+    objective's metric numerators summed over DP, ``count`` the global count.
+    ``train=True`` runs backward (and the pipeline schedule's ``step``; else ``eval``)."""
+    from titan_plugins.components.attention_masks import documents
+
+    objective = trainer.objective
+    count = global_count(trainer, batches)
+    model = trainer.model
+    objective.set_scale(count)
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=trainer.device)
+    sums: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        inputs, labels = batch[0].to(trainer.device), batch[1].to(trainer.device)
+        doc_ids = getattr(batch, "doc_ids", None)
+        with documents(None if doc_ids is None else doc_ids.to(trainer.device)) as docs:
+            if model.pp:
+                _pipeline(trainer, inputs, labels, train, loss_sum)
+            else:
+                reference = None
+                if objective.needs_reference:
+                    with torch.no_grad(), trainer._loss_context():
+                        reference = objective.reference_stats(trainer.reference(inputs), labels)
+                with trainer._loss_context():
+                    loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference)
+                    if train:
+                        loss.backward()
+                loss_sum += _local(loss).to(acc_dtype)
+                for key, value in stats.items():
+                    sums[key] = sums.get(key, 0) + _local(value).double()
+        if train and docs is not None and not docs.used:
+            raise ConfigError(
+                f"data.name={trainer.job.data.name} packs several documents per row, but the model "
+                "ignored their document ids (they would attend to each other): set "
+                "model.attn_mask=block_causal where the model has it, or data.chat.pack=false"
+            )
+    return loss_sum, _reduced(trainer, sums), count
+
+
+def _pipeline(trainer: Any, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
+              loss_sum: torch.Tensor) -> None:
+    """Run the schedule (the last stage computes the loss); add its microbatch losses
+    to ``loss_sum`` one by one (the summation order of the step's log line)."""
+    from titan_plugins.distributed.pipeline import stage_inputs
+
+    model = trainer.model
+    losses: list[torch.Tensor] = []
+    extra = stage_inputs(model.parts[0], trainer.spec.pipeline, inputs)
+    args = (inputs,) if model.has_first else ()
+    with trainer._loss_context():
+        run = model.schedule.step if train else model.schedule.eval
+        run(*args, target=labels, losses=losses, **extra)
+    for mb_loss in losses:
+        loss_sum += _local(mb_loss).to(loss_sum.dtype)
+
+
+def _reduced(trainer: Any, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+    if not sums:
+        return {}
+    keys = sorted(sums)
+    flat = torch.stack([sums[k].to(trainer.device) for k in keys])
+    if trainer.dp_group is not None:
+        dist.all_reduce(flat, group=trainer.dp_group)
+    return dict(zip(keys, flat.tolist()))
