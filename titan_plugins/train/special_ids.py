@@ -31,7 +31,7 @@ document separator.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -157,10 +157,3 @@ def resolve_special_ids(tok: Any, folder: Path | None) -> SpecialIds:
     return SpecialIds(bos=ids["bos"], eos=ids["eos"], pad=ids["pad"], prefix=tuple(prefix),
                       suffix=tuple(suffix), from_=origin, eos_list=tuple(eos_list))
 
-
-def describe(ids: SpecialIds, names: Sequence[str | None]) -> str:
-    """One line for the run header: ``bos=<|begin_of_text|> (post-processor), ...``."""
-    parts = []
-    for kind, value, name in zip(_KINDS, (ids.bos, ids.eos, ids.pad), names):
-        parts.append(f"{kind}={name if value >= 0 else 'none'} ({ids.from_.get(kind, 'none')})")
-    return ", ".join(parts)
