@@ -14,7 +14,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from titan_deepseek_v3.config import FLAVORS
 from titan_deepseek_v3.hf_config import config_from_hf
@@ -22,10 +21,9 @@ from titan_deepseek_v3.model import build
 from titan_deepseek_v3.parallelize import parallelize
 from torch.distributed.tensor import DTensor
 
-from titan_plugins.config.schema import JobConfig, ParallelismConfig
-from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.hf.load import load_hf_weights
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing.model_parts import build_part, full, layout
 
 SEQ = 16
 
@@ -34,32 +32,21 @@ def check(folder: str, par: dict, spec) -> dict:
     values = config_from_hf(json.loads(open(os.path.join(folder, "config.json")).read()))
     values["max_seq_len"] = SEQ  # as the Hydra option does (training.seq_len)
     cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS["debugmodel"]), values))
-    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
-    dims.build_meshes("cpu")
-    job = OmegaConf.structured(JobConfig(model={}))
-    job.training.seq_len = SEQ
-    for key, value in par.items():
-        job.parallelism[key] = value
+    dims, job = layout(par, {"seq_len": SEQ})
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
 
     ref = build(cfg)
     with torch.no_grad():
         ref.init_weights()
     load_hf_weights([ref], spec, cfg, folder)
-    with torch.device("meta"):
-        model = build(cfg)
-    model = parallelize(model, dims, job)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(torch.device("cpu"))
+    model = build_part(build, cfg, parallelize, dims, job)
     counts = load_hf_weights([model], spec, cfg, folder)
     local_experts = model.layers["1"].moe.experts.w1
     local_experts = local_experts.to_local() if isinstance(local_experts, DTensor) else local_experts
     with torch.no_grad():
         want = ref(tokens)
         got = model(tokens)
-    got = got.full_tensor() if isinstance(got, DTensor) else got
-    return {"max_logits_diff": (got - want).abs().max().item(), "read_whole": counts["loaded"] - counts["sliced"],
+    return {"max_logits_diff": (full(got) - want).abs().max().item(), "read_whole": counts["loaded"] - counts["sliced"],
             "kept": counts["kept"], "local_experts": local_experts.shape[0]}
 
 

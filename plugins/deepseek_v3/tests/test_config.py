@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 from titan_deepseek_v3.config import FLAVORS, DeepSeekV3Config, ScoreFunc, make_config
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.testing.model_parts import assert_imports_without_torch
 
 
 def test_debugmodel_flavor_numbers():
@@ -106,11 +104,7 @@ def test_validate_names_both_numbers():
 
 
 def test_plugin_and_config_import_without_torch():
-    code = (
-        "import sys, titan_deepseek_v3.plugin, titan_deepseek_v3.config; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_without_torch("titan_deepseek_v3.plugin", "titan_deepseek_v3.config")
 
 
 def test_hf_numerics_fields_default_to_torchtitan():

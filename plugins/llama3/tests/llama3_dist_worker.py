@@ -22,62 +22,17 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from omegaconf import OmegaConf
 from titan_llama3.config import FLAVORS
 from titan_llama3.model import build
 from titan_llama3.parallelize import parallelize
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import loss_parallel
+from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.config.schema import JobConfig, ParallelismConfig
-from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.hf.load import load_hf_weights
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing import model_parts as parts_of
 
 LR = 0.5
-
-
-def _job(par: dict, training: dict):
-    job = OmegaConf.structured(JobConfig(model={}))
-    for key, value in par.items():
-        job.parallelism[key] = value
-    for key, value in training.items():
-        job.training[key] = value
-    return job
-
-
-def _load_full(model, full_sd):
-    with torch.no_grad():
-        for name, t in model.state_dict().items():
-            if isinstance(t, DTensor):
-                t.to_local().copy_(distribute_tensor(full_sd[name], t.device_mesh, t.placements).to_local())
-            else:
-                t.copy_(full_sd[name])
-
-
-def _cut_stage(model, keep: list[str], first: bool, last: bool):
-    """What the runtime's pipeline split leaves on one stage."""
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-
-
-def _loss(logits, labels, count):
-    if isinstance(logits, DTensor):  # loss parallel: logits sharded on the vocabulary
-        with loss_parallel():
-            loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
-            loss.backward()
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
-    loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
-    loss.backward()
-    return loss
 
 
 def _full_grad(p, dp_group):
@@ -91,18 +46,7 @@ def _full_grad(p, dp_group):
 
 def _parallel_parts(cfg, dims, job, stages) -> list:
     """The trainer's build: meta -> optional stage cut -> parallelize -> to_empty -> init."""
-    parts = []
-    for stage in stages or [None]:
-        with torch.device("meta"):
-            part = build(cfg)
-        if stage is not None:
-            _cut_stage(part, **stage)
-        part = parallelize(part, dims, job)
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(torch.device("cpu"))
-        parts.append(part)
-    return parts
+    return [parts_of.build_part(build, cfg, parallelize, dims, job, stage) for stage in stages or [None]]
 
 
 def check_hf(case: dict, dims, job) -> dict:
@@ -124,7 +68,7 @@ def check_hf(case: dict, dims, job) -> dict:
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         for part in parts:
             x = part(x)
-    logits = x.full_tensor() if isinstance(x, DTensor) else x
+    logits = parts_of.full(x)
     return {**counts, "cfg": cfg, "permuted": permuted, "sharded_entries": sharded, "logits": logits,
             "freqs_cis_plain": all(type(p.freqs_cis) is torch.Tensor for p in parts)}
 
@@ -132,9 +76,7 @@ def check_hf(case: dict, dims, job) -> dict:
 def check(case: dict) -> dict:
     """One case on this rank; every rank returns the same numbers."""
     par, steps = case["par"], case.get("steps", 2)
-    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
-    dims.build_meshes("cpu")
-    job = _job(par, case.get("training", {}))
+    dims, job = parts_of.layout(par, case.get("training", {}))
     if "hf" in case:
         return check_hf(case, dims, job)
     cfg = dataclasses.replace(FLAVORS["debugmodel"], **case["model"])
@@ -144,27 +86,18 @@ def check(case: dict) -> dict:
     labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=g)
     tokens[0, seq // 3] = tokens[1, seq // 2] = cfg.eos_id % cfg.vocab_size  # documents end
 
-    with torch.device("meta"):
-        ref = build(cfg)
-    ref.to_empty(device="cpu")
-    torch.manual_seed(5)
-    with torch.no_grad():
-        ref.init_weights(torch.device("cpu"))
+    ref = parts_of.seeded_build(build, cfg, seed=5)
     start = {k: v.clone() for k, v in ref.state_dict().items()}
 
     parts = _parallel_parts(cfg, dims, job, case.get("stages"))
     for part in parts:
-        _load_full(part, start)
+        parts_of.load_full_state_dict(part, start)
         if cfg.enable_weight_tying and part.tok_embeddings is not None:
             assert part.output.weight is part.tok_embeddings.weight, "tie broken"
     out = {"freqs_cis_plain": all(type(p.freqs_cis) is torch.Tensor for p in parts)}
 
     def model(x):
-        for part in parts:
-            x = part(x)
-            if part.output is None:
-                assert type(x) is torch.Tensor, "a stage must hand on a plain tensor"
-        return x
+        return parts_of.run_stages(parts, x)
 
     dp, dp_rank = dims.dp_size, dims.dp_rank()
     per = batch // dp
@@ -176,9 +109,9 @@ def check(case: dict) -> dict:
     out.update(ref_losses=[], losses=[])
     for step in range(steps):
         with sdpa_kernel(SDPBackend.MATH):
-            ref_loss = _loss(ref(tokens), labels, labels.numel())
+            ref_loss = parts_of.sum_loss(ref(tokens), labels, labels.numel())
             logits = model(tokens[local])
-            loss = _loss(logits, labels[local], labels.numel()).detach().clone()
+            loss = parts_of.sum_loss(logits, labels[local], labels.numel()).detach().clone()
         if dp_group is not None:
             dist.all_reduce(loss, group=dp_group)
         out["ref_losses"].append(ref_loss.item())

@@ -5,12 +5,12 @@ the same way. Its SDPA wrapper is set to the math kernel (ours runs under
 
 from __future__ import annotations
 
-import torch
 from titan_llama3.config import Llama3Config
 from titan_llama3.model import build
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from titan_plugins.testing.model_parts import seeded_build
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
 
 
@@ -39,20 +39,8 @@ def build_reference(config: Llama3Config, seq_len: int, seed: int) -> nn.Module:
     job.training = type("T", (), {"seq_len": seq_len})()
     job.parallelism = type("P", (), {"context_parallel_degree": 1})()
     args.update_from_config(job)
-    with torch.device("meta"):
-        model = mm.Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
+    return seeded_build(mm.Transformer, args, seed)
 
 
 def build_ours(config: Llama3Config, seed: int) -> nn.Module:
-    with torch.device("meta"):
-        model = build(config)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
+    return seeded_build(build, config, seed)

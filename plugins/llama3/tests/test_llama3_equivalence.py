@@ -6,15 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.testing.torchtitan_ref import import_torchtitan
+from titan_plugins.testing.model_parts import (
+    assert_same_tensors,
+    loss_and_grads,
+    require_torchtitan,
+)
 
-try:
-    import_torchtitan("torchtitan.models.llama3")
-except ImportError as exc:  # torchtitan is a test-only dependency (pip install --no-deps)
-    pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
+require_torchtitan("torchtitan.models.llama3")  # or skip: a test-only dependency (pip install --no-deps)
 
 from llama3_reference import build_ours, build_reference  # noqa: E402
 from titan_llama3.config import FLAVORS  # noqa: E402
@@ -31,25 +30,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _step(model, tokens, labels):
-    model.zero_grad(set_to_none=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), loss.detach(), grads
+_step = loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
 
 
 def _compare(cfg):
     ref = build_reference(cfg, SEQ, seed=3)
     ours = build_ours(cfg, seed=3)
     # Same seed, same init scheme: the weights are equal before any loading.
-    ref_sd = Llama3StateDictAdapter(cfg).from_torchtitan(ref.state_dict())
-    ours_sd = ours.state_dict()
-    assert sorted(ref_sd) == sorted(ours_sd)
-    for name, value in ref_sd.items():
-        assert torch.equal(ours_sd[name], value), name
+    assert_same_tensors(ours.state_dict(), Llama3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
     # the rotary cache too (TorchTitan's is as long as the training sequence)
     assert torch.equal(ours.freqs_cis[:SEQ], ref.freqs_cis)
 

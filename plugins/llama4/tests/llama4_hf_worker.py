@@ -15,7 +15,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from titan_llama4.config import FLAVORS
 from titan_llama4.hf_config import config_from_hf
@@ -24,10 +23,9 @@ from titan_llama4.parallelize import parallelize
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.config.schema import JobConfig, ParallelismConfig
-from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.hf.load import load_hf_weights
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing import model_parts
 
 
 def _config(folder: str):
@@ -38,30 +36,20 @@ def _config(folder: str):
 
 def check(folder: str, par: dict, spec) -> dict:
     cfg = _config(folder)
-    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
-    dims.build_meshes("cpu")
-    job = OmegaConf.structured(JobConfig(model={}))
-    for key, value in par.items():
-        job.parallelism[key] = value
+    dims, job = model_parts.layout(par)
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
 
     ref = build(cfg)
     with torch.no_grad():
         ref.init_weights()
     load_hf_weights([ref], spec, cfg, folder)
-    with torch.device("meta"):
-        model = build(cfg)
-    model = parallelize(model, dims, job)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights(torch.device("cpu"))
+    model = model_parts.build_part(build, cfg, parallelize, dims, job)
     counts = load_hf_weights([model], spec, cfg, folder)
     sharded = sum(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for v in model.state_dict().values())
     with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
         want = ref(tokens)
         got = model(tokens)
-    got = got.full_tensor() if isinstance(got, DTensor) else got
-    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded, **counts}
+    return {"max_logits_diff": (model_parts.full(got) - want).abs().max().item(), "sharded_entries": sharded, **counts}
 
 
 def main(rank: int, world: int, folder: str, cases: list[dict]) -> list[dict]:

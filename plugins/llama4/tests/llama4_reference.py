@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from titan_plugins.testing.model_parts import seeded_build
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
 
 _histc = torch.histc
@@ -84,12 +85,7 @@ def build_reference(args, seq_len: int, seed: int, kernel: str = "sdpa_mask") ->
         debug=SimpleNamespace(moe_force_load_balance=False),
     )
     args.update_from_config(job)
-    with torch.device("meta"):
-        model = mm.Transformer(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():  # as TorchTitan's trainer calls it
-        model.init_weights(buffer_device=torch.device("cpu"))
+    model = seeded_build(mm.Transformer, args, seed)  # init under no_grad, as its trainer calls it
     if args.attn_type == "flex":
         for layer in model.layers.values():
             layer.attention.inner_attention = ReferenceKernel(layer.attention.use_rope, kernel)

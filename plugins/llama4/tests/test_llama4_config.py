@@ -4,8 +4,6 @@ composition, validation and the state-dict adapter."""
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from titan_llama4.config import FLAVORS, AttentionMask, Llama4Config, flops, num
 
 from titan_plugins.config.schema import ParallelismConfig
 from titan_plugins.errors import ConfigError
+from titan_plugins.testing.model_parts import assert_imports_without_torch
 
 
 def _meta(cfg: Llama4Config):
@@ -152,11 +151,7 @@ def test_flops_per_token():
 
 # -------------------------------------------------------------- plugin
 def test_plugin_import_is_torch_free():
-    code = (
-        "import sys, titan_llama4.plugin, titan_llama4.config;"
-        "assert 'torch' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_without_torch("titan_llama4.plugin", "titan_llama4.config")
 
 
 def test_registered_through_entry_point_and_hydra():

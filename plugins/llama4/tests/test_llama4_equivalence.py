@@ -6,15 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.testing.torchtitan_ref import import_torchtitan  # noqa: E402
+from titan_plugins.testing.model_parts import loss_and_grads, require_torchtitan
 
-try:
-    import_torchtitan("torchtitan.models.llama4")
-except ImportError as exc:  # torchtitan is a test-only dependency (pip install --no-deps)
-    pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
+require_torchtitan("torchtitan.models.llama4")  # or skip: a test-only dependency (pip install --no-deps)
 
 from llama4_reference import build_reference, cpu_histc, flavor_args, reference_forward  # noqa: E402
 from titan_llama4.config import FLAVORS  # noqa: E402
@@ -48,13 +43,7 @@ def _pair(flavor: str, seed: int = 0, kernel: str = "sdpa_mask", **overrides):
 
 
 def _step(model, tokens, labels, forward):
-    model.zero_grad(set_to_none=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        logits = forward(model, tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return logits.detach(), loss.detach(), grads
+    return loss_and_grads(model, tokens, labels, forward, every_param=True)
 
 
 def _tokens(config, seed):

@@ -21,11 +21,10 @@ from titan_llama4.config import FLAVORS  # noqa: E402
 from titan_llama4.hf_config import config_from_hf, config_to_hf  # noqa: E402
 from titan_llama4.model import build  # noqa: E402
 
-from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
 from titan_plugins.hf.export import export_folder  # noqa: E402
-from titan_plugins.hf.load import load_hf_weights  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.model_parts import hf_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 
 VOCAB = 96
@@ -64,13 +63,7 @@ def hf_folder(tmp_path, multimodal: bool = False, **extra):
 
 
 def load_ours(folder, *overrides):
-    spec, job, _ = prepare_job(["model=llama4", f"model.hf={folder}", *SYNTH, *overrides], get_plugin_manager())
-    cfg = model_config(job.model, spec)
-    model = spec.load("build")(cfg)
-    with torch.no_grad():
-        model.init_weights()
-    counts = load_hf_weights([model], spec, cfg, folder)
-    return job, cfg, model.eval(), counts
+    return hf_model("llama4", folder, *SYNTH, *overrides)
 
 
 def logits_diff(a, b) -> float:

@@ -14,7 +14,6 @@ import os
 import warnings
 
 import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from titan_qwen3.config import FLAVORS
 from titan_qwen3.hf_config import config_from_hf
@@ -23,10 +22,9 @@ from titan_qwen3.parallelize import parallelize
 from torch.distributed.tensor import DTensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.config.schema import JobConfig, ParallelismConfig
-from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.hf.load import load_hf_weights
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing.model_parts import build_part, full, layout
 
 
 def _config(folder: str, flavor: str):
@@ -35,25 +33,9 @@ def _config(folder: str, flavor: str):
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS[flavor]), values))
 
 
-def _cut_stage(model, keep: list[str], first: bool, last: bool):
-    for key in list(model.layers.keys()):
-        if key not in keep:
-            del model.layers[key]
-    if not first:
-        model.tok_embeddings = None
-    if not last:
-        model.norm = None
-        model.output = None
-
-
 def check(case: dict, spec) -> dict:
     cfg = _config(case["folder"], case["flavor"])
-    par = case["par"]
-    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
-    dims.build_meshes("cpu")
-    job = OmegaConf.structured(JobConfig(model={}))
-    for key, value in par.items():
-        job.parallelism[key] = value
+    dims, job = layout(case["par"])
     tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(3))
 
     ref = build(cfg)
@@ -62,14 +44,7 @@ def check(case: dict, spec) -> dict:
     load_hf_weights([ref], spec, cfg, case["folder"])
     parts, sharded, whole = [], 0, 0
     for stage in case.get("stages") or [None]:
-        with torch.device("meta"):
-            part = build(cfg)
-        if stage is not None:
-            _cut_stage(part, **stage)
-        part = parallelize(part, dims, job)
-        part.to_empty(device="cpu")
-        with torch.no_grad():
-            part.init_weights(torch.device("cpu"))
+        part = build_part(build, cfg, parallelize, dims, job, stage)
         counts = load_hf_weights([part], spec, cfg, case["folder"])
         whole += counts["loaded"] - counts["sliced"]
         sharded += sum(isinstance(v, DTensor) and v.to_local().numel() < v.numel() for v in part.state_dict().values())
@@ -79,8 +54,7 @@ def check(case: dict, spec) -> dict:
         x = tokens
         for part in parts:
             x = part(x)
-    got = x.full_tensor() if isinstance(x, DTensor) else x
-    return {"max_logits_diff": (got - want).abs().max().item(), "sharded_entries": sharded, "read_whole": whole}
+    return {"max_logits_diff": (full(x) - want).abs().max().item(), "sharded_entries": sharded, "read_whole": whole}
 
 
 def main(rank: int, world: int, cases: list[dict]) -> list[dict]:

@@ -20,6 +20,7 @@ from titan_qwen3.model import build
 from torch import nn
 from torch.nn.attention import SDPBackend
 
+from titan_plugins.testing.model_parts import seeded_build
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
 
 _histc = torch.histc
@@ -65,23 +66,11 @@ def build_reference(config: Qwen3Config, seq_len: int, seed: int) -> nn.Module:
     job.training = type("T", (), {"seq_len": seq_len})()
     job.debug = type("D", (), {"moe_force_load_balance": False})()
     args.update_from_config(job)
-    with torch.device("meta"):
-        model = mm.Qwen3Model(args)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
+    return seeded_build(mm.Qwen3Model, args, seed)
 
 
 def build_ours(config: Qwen3Config, seed: int) -> nn.Module:
-    with torch.device("meta"):
-        model = build(config)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights(buffer_device=torch.device("cpu"))
-    return model
+    return seeded_build(build, config, seed)
 
 
 def small(config: Qwen3Config, **overrides) -> Qwen3Config:

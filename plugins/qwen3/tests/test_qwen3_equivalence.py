@@ -6,15 +6,14 @@ import dataclasses
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from titan_plugins.testing.torchtitan_ref import import_torchtitan
+from titan_plugins.testing.model_parts import (
+    assert_same_tensors,
+    loss_and_grads,
+    require_torchtitan,
+)
 
-try:
-    import_torchtitan("torchtitan.models.qwen3")
-except ImportError as exc:  # torchtitan is a test-only dependency (pip install --no-deps)
-    pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
+require_torchtitan("torchtitan.models.qwen3")  # or skip: a test-only dependency (pip install --no-deps)
 
 from qwen3_reference import build_ours, build_reference, cpu_histc  # noqa: E402
 from titan_qwen3.config import FLAVORS  # noqa: E402
@@ -29,14 +28,7 @@ def _cpu_reference(monkeypatch):
     torch.set_num_threads(1)
 
 
-def _step(model, tokens, labels):
-    model.zero_grad(set_to_none=True)
-    with sdpa_kernel(SDPBackend.MATH):
-        logits = model(tokens)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), loss.detach(), grads
+_step = loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
 
 
 def _compare(flavor: str, atol: float, **overrides):
@@ -44,11 +36,7 @@ def _compare(flavor: str, atol: float, **overrides):
     ref = build_reference(cfg, SEQ, seed=3)
     ours = build_ours(cfg, seed=3)
     # Same seed, same init scheme: the weights are equal before any loading.
-    ref_sd = Qwen3StateDictAdapter(cfg).from_torchtitan(ref.state_dict())
-    ours_sd = ours.state_dict()
-    assert sorted(ref_sd) == sorted(ours_sd)
-    for name, value in ref_sd.items():
-        torch.testing.assert_close(ours_sd[name], value, rtol=0, atol=0, msg=name)
+    assert_same_tensors(ours.state_dict(), Qwen3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
     if cfg.enable_weight_tying:
         assert ours.output.weight is ours.tok_embeddings.weight
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from titan_qwen3.model import build
 
 from titan_plugins.config.schema import ParallelismConfig
 from titan_plugins.errors import ConfigError
+from titan_plugins.testing.model_parts import assert_imports_without_torch
 
 
 def _meta_counts(flavor: str) -> tuple[int, int]:
@@ -105,11 +104,7 @@ def test_validate_accepts():
 
 
 def test_plugin_import_is_torch_free():
-    code = (
-        "import sys, titan_qwen3.plugin, titan_qwen3.config; "
-        "assert 'torch' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert_imports_without_torch("titan_qwen3.plugin", "titan_qwen3.config")
 
 
 def test_plugin_registers_qwen3():

@@ -16,10 +16,9 @@ pytest.importorskip("safetensors")
 
 from titan_qwen3.hf_config import config_from_hf, config_to_hf  # noqa: E402
 
-from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
-from titan_plugins.hf.load import load_hf_weights  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.model_parts import hf_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 
 DENSE = dict(
@@ -51,14 +50,7 @@ def hf_folder(tmp_path, kind: str, **extra):
 
 
 def load_ours(folder, *overrides):
-    pm = get_plugin_manager()
-    spec, job, _ = prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, "training.seq_len=16", *overrides], pm)
-    cfg = model_config(job.model, spec)
-    model = spec.load("build")(cfg)
-    with torch.no_grad():
-        model.init_weights()
-    counts = load_hf_weights([model], spec, cfg, folder)
-    return job, cfg, model.eval(), counts
+    return hf_model("qwen3", folder, *SYNTH, "training.seq_len=16", *overrides)
 
 
 @pytest.mark.parametrize("kind", ["dense", "moe"])

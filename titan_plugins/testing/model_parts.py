@@ -1,0 +1,219 @@
+"""Small pieces a model plugin's own tests share: building a model the way the trainer
+does (meta build -> optional pipeline-stage cut -> parallelize -> ``to_empty`` ->
+``init_weights``), the job and meshes of a layout, loading full weights into shards,
+the loss-parallel-aware loss, and a skip when TorchTitan (the numerics reference) is
+missing. The first-party plugins' tests use them; a third-party plugin's may too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "assert_imports_without_torch",
+    "assert_loss_parity",
+    "assert_same_tensors",
+    "build_part",
+    "cut_stage",
+    "full",
+    "hf_model",
+    "layout",
+    "load_full_state_dict",
+    "loss_and_grads",
+    "require_torchtitan",
+    "run_stages",
+    "seeded_build",
+    "sum_loss",
+]
+
+
+def require_torchtitan(module: str) -> Any:
+    """Import ``module`` of TorchTitan 0.2.2 or skip the calling test module (TorchTitan
+    is a test-only dependency, installed with ``pip install --no-deps``)."""
+    import pytest
+
+    from titan_plugins.testing.torchtitan_ref import import_torchtitan
+
+    try:
+        return import_torchtitan(module)
+    except ImportError as exc:
+        pytest.skip(f"torchtitan 0.2.2 not importable: {exc}", allow_module_level=True)
+
+
+def seeded_build(build: Callable[[Any], nn.Module], config: Any, seed: int) -> nn.Module:
+    """``build(config)`` on meta, materialised on CPU, ``init_weights`` after ``manual_seed(seed)``."""
+    with torch.device("meta"):
+        model = build(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+    return model
+
+
+def layout(par: Mapping[str, Any], training: Mapping[str, Any] | None = None):
+    """``(ParallelDims, job)`` for ``parallelism`` values ``par`` on this process group's
+    ranks (CPU meshes built); ``training`` values go into ``job.training``."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from titan_plugins.config.schema import JobConfig, ParallelismConfig
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+
+    dims = ParallelDims.from_config(ParallelismConfig(**par), dist.get_world_size())
+    dims.build_meshes("cpu")
+    job = OmegaConf.structured(JobConfig(model={}))
+    for key, value in par.items():
+        job.parallelism[key] = value
+    for key, value in (training or {}).items():
+        job.training[key] = value
+    return dims, job
+
+
+def cut_stage(model: nn.Module, keep: list[str], first: bool, last: bool, output: str = "output") -> None:
+    """What the runtime's pipeline split leaves on one stage: the blocks ``keep``, the
+    embedding on the first stage, the final norm and ``output`` on the last."""
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if not first:
+        model.tok_embeddings = None
+    if not last:
+        model.norm = None
+        setattr(model, output, None)
+
+
+def build_part(
+    build: Callable[[Any], nn.Module], config: Any, parallelize: Callable[..., nn.Module], dims, job,
+    stage: Mapping[str, Any] | None = None, *, compute_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """The model (or the pipeline ``stage``, ``cut_stage`` arguments) as the trainer builds
+    it: meta build, cut, ``parallelize(model, dims, job)``, ``to_empty``, ``init_weights``."""
+    with torch.device("meta"):
+        part = build(config)
+    if compute_dtype is not None:
+        part.set_compute_dtype(compute_dtype)
+    if stage is not None:
+        cut_stage(part, **stage)
+    part = parallelize(part, dims, job)
+    part.to_empty(device="cpu")
+    with torch.no_grad():
+        part.init_weights(torch.device("cpu"))
+    return part
+
+
+def load_full_state_dict(model: nn.Module, full_sd: Mapping[str, torch.Tensor]) -> None:
+    """Copy a single-process state dict into ``model``'s (possibly DTensor) entries."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            if isinstance(t, DTensor):
+                t.to_local().copy_(distribute_tensor(full_sd[name], t.device_mesh, t.placements).to_local())
+            else:
+                t.copy_(full_sd[name])
+
+
+def full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full tensor, a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def sum_loss(logits: torch.Tensor, labels: torch.Tensor, count: int, *, backward: bool = True) -> torch.Tensor:
+    """Summed cross entropy over ``count`` tokens (backward run unless told not to); vocab-sharded
+    DTensor logits (loss parallel) are handled inside ``loss_parallel()``. Returns a plain loss."""
+    import torch.nn.functional as F
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    def run() -> torch.Tensor:
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum") / count
+        if backward:
+            loss.backward()
+        return loss
+
+    if isinstance(logits, DTensor):
+        with loss_parallel():
+            return full(run())
+    return run()
+
+
+def hf_model(name: str, folder: str, *overrides: str):
+    """``(job, config, model, counts)``: model ``name`` from the Hugging Face ``folder`` as
+    ``titan-run model=NAME model.hf=FOLDER OVERRIDES...`` composes it, built on CPU,
+    initialised, its weights loaded (``counts``: ``load_hf_weights``'), in eval mode."""
+    from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.hf.load import load_hf_weights
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import prepare_job
+
+    spec, job, _ = prepare_job([f"model={name}", f"model.hf={folder}", *overrides], get_plugin_manager())
+    config = model_config(job.model, spec)
+    model = spec.load("build")(config)
+    with torch.no_grad():
+        model.init_weights()
+    counts = load_hf_weights([model], spec, config, folder)
+    return job, config, model.eval(), counts
+
+
+def run_stages(parts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
+    """Pipeline stages one after another on these ranks; what crosses a stage boundary
+    must be a plain tensor (as ``torch.distributed.pipelining`` sends it)."""
+    for part in parts:
+        x = part(x)
+        if getattr(part, "output", None) is None:
+            assert type(x) is torch.Tensor, "a stage must hand on a plain tensor"
+    return x
+
+
+def loss_and_grads(
+    model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None, *, every_param: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """``(logits, loss, grads)`` of one mean cross-entropy step under the math SDPA kernel
+    (``forward(model, tokens)``, default ``model(tokens)``); ``every_param``: a parameter
+    without a gradient is an error instead of being left out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model.zero_grad(set_to_none=True)
+    with sdpa_kernel(SDPBackend.MATH):
+        logits = model(tokens) if forward is None else forward(model, tokens)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if every_param or p.grad is not None}
+    return logits.detach(), loss.detach(), grads
+
+
+def assert_loss_parity(label: str, base: list[float], losses: list[float], parity: Any) -> None:
+    """``losses`` of a parallel run against the single-process ``base``, step by step,
+    within ``parity.allows(a, b)``; the run must have trained (the loss moved)."""
+    assert len(losses) == len(base)
+    diffs = [abs(a - b) for a, b in zip(base, losses)]
+    print(f"{label}: max |loss diff| over {len(base)} steps {max(diffs):.2e}")
+    for step, (a, b) in enumerate(zip(base, losses), start=1):
+        assert parity.allows(a, b), f"{label} step {step}: {b!r} vs single {a!r}"
+    assert base[0] != base[-1]  # it trained: equality is not vacuous
+
+
+def assert_imports_without_torch(*modules: str) -> None:
+    """Import ``modules`` in a fresh interpreter and fail if that imported torch (a plugin
+    module and its config must stay light: ``titan-plugins list`` imports them)."""
+    import subprocess
+    import sys
+
+    code = f"import sys, {', '.join(modules)}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def assert_same_tensors(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> None:
+    """The same names, and every tensor bitwise equal (e.g. state dicts after the same seeded init)."""
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
