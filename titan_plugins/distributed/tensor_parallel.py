@@ -145,10 +145,17 @@ class AdapterAware(ParallelStyle):
             return self.inner._apply(module, device_mesh)
         children = dict(module._modules)  # the adapters and their dropout
         module._modules.clear()
+        # QLoRA (peft/qlora.py): the 4-bit base weight is a frozen buffer kept whole on every
+        # rank; the style keeps its input/output layouts and shards only the adapters.
+        whole_base = "weight" in module._buffers
+        if whole_base:
+            self.inner._partition_linear_fn = lambda *_args: None
         try:
             module = self.inner._apply(module, device_mesh)  # the base layer alone
         finally:
             module._modules.update(children)
+            if whole_base:
+                del self.inner._partition_linear_fn
         pair = {k: children[k] for k in ("lora_A", "lora_B")}
         rowwise_base = isinstance(self.inner, RowwiseParallel)
         layouts = {"lora_A": Shard(1) if rowwise_base else Replicate(),

@@ -1,4 +1,4 @@
-"""The ``peft`` config group (``peft=none`` / ``peft=lora``): its typed schema.
+"""The ``peft`` config group (``peft=none`` / ``peft=lora`` / ``peft=qlora``): its typed schema.
 
 Light on purpose (no torch): the schema is imported when Hydra composes.
 """
@@ -18,6 +18,7 @@ ALL_LINEAR = "all-linear"
 class PeftMethod(str, Enum):
     none = "none"  # full fine-tuning: every parameter trains
     lora = "lora"  # frozen base, low-rank adapters on the matched nn.Linear modules
+    qlora = "qlora"  # lora over a 4-bit (NF4) frozen base: titan_plugins/peft/qlora.py
 
 
 @dataclass

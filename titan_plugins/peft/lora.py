@@ -51,7 +51,7 @@ def lora_enabled(job: Any) -> bool:
     peft = job.get("peft") if hasattr(job, "get") else getattr(job, "peft", None)
     if peft is None:
         return False
-    return str(getattr(peft.method, "value", peft.method)) == "lora"
+    return str(getattr(peft.method, "value", peft.method)) in ("lora", "qlora")  # qlora: LoRA on a 4-bit base
 
 
 class _Adapter(nn.Module):

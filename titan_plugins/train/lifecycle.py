@@ -24,6 +24,7 @@ from titan_plugins.peft.lora import (
     init_adapters,
     lora_enabled,
 )
+from titan_plugins.peft.qlora import apply_qlora, check_qlora, qlora_enabled, quantize_base
 from titan_plugins.spec import ModelSpec
 from titan_plugins.train.fused_loss import defer_heads
 
@@ -86,6 +87,9 @@ def apply_peft(model: nn.Module, spec: ModelSpec, job: DictConfig) -> list[str]:
         )
     info = spec.pipeline
     edge = (info.first_stage_modules + info.last_stage_modules) if info else ("tok_embeddings", "norm", "output")
+    if qlora_enabled(job):  # the same adapters over a 4-bit base (titan_plugins/peft/qlora.py)
+        check_qlora(job)
+        return apply_qlora(model, job.peft, exclude=tuple(edge))
     return apply_lora(model, job.peft, exclude=tuple(edge))
 
 
@@ -163,6 +167,8 @@ def build_model_parts(
             # stay fp32 (master weights of what trains) under a bf16 frozen base.
             keep = {id(p) for p in adapter_parameters(part)}
             part._apply(lambda t, keep=keep: t.to(weight_dtype) if t.is_floating_point() and id(t) not in keep else t)
+        if qlora_enabled(job):  # after the dtype cast: NF4 of the run's weight dtype
+            quantize_base(part)
         part.train()
 
     if fused_loss:  # after to_empty/init/dtype casts: the head's class swap comes last

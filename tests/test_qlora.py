@@ -1,0 +1,179 @@
+"""QLoRA (``peft=qlora``, titan_plugins/peft/qlora.py): LoRA over a frozen NF4 base,
+checked on a tiny Qwen3 built by transformers from a config (``model.hf``). The
+reference is LoRA over the *dequantized* base: QLoRA must be exactly that, and differ
+from LoRA over the full-precision base by the quantization error alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchao")
+transformers = pytest.importorskip("transformers")
+
+from titan_plugins.config.hydra_glue import model_config  # noqa: E402
+from titan_plugins.errors import ConfigError  # noqa: E402
+from titan_plugins.hf.load import load_hf_weights  # noqa: E402
+from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
+from titan_plugins.peft.qlora import QLoRALinear, dequantized  # noqa: E402
+from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.train.api import prepare_job  # noqa: E402
+from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
+from titan_plugins.train.loss import token_loss_sum  # noqa: E402
+
+DENSE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
+             tie_word_embeddings=False, eos_token_id=5)
+TOKENS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qlora") / "base"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    return path
+
+
+def _args(base, method, *extra):
+    return ["model=qwen3", f"model.hf={base}", "model.attn_backend=sdpa", "data.name=synthetic",
+            "data.vocab_size=96", "training.seq_len=12", f"peft={method}", *extra]
+
+
+def _model(base, method, *extra):
+    """One process, as a run builds it: meta, adapters, to_empty, init, quantize, model.hf."""
+    from titan_plugins.peft.qlora import quantize_base
+
+    pm = get_plugin_manager()
+    spec, job, _ = prepare_job(_args(base, method, *extra), pm)
+    model = build_meta_model(spec, job)
+    apply_peft(model, spec, job)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()
+    init_adapters(model, 0)
+    if method == "qlora":
+        assert quantize_base(model) == len(list(adapter_modules(model)))
+    load_hf_weights([model], spec, model_config(job.model, spec), base, verbose=False)
+    gen = torch.Generator().manual_seed(3)  # as if trained a little: B non-zero, A and B get gradients
+    with torch.no_grad():
+        for _, module in adapter_modules(model):
+            module.lora_B.weight.copy_(torch.randn(module.lora_B.weight.shape, generator=gen) * 0.1)
+    return model.train()
+
+
+def _loss_and_grads(model):
+    loss = token_loss_sum(model(TOKENS[:, :-1]), TOKENS[:, 1:]) / TOKENS[:, 1:].numel()
+    loss.backward()
+    grads = {}
+    for name, module in adapter_modules(model):
+        grads[f"{name}.A"], grads[f"{name}.B"] = module.lora_A.weight.grad, module.lora_B.weight.grad
+    return loss.detach(), grads
+
+
+def test_qlora_is_lora_over_the_dequantized_base(base):
+    qlora = _model(base, "qlora")
+    lora = _model(base, "lora")
+    hf = transformers.Qwen3ForCausalLM.from_pretrained(base).state_dict()
+    errors = []
+    for name, module in adapter_modules(qlora):
+        assert isinstance(module, QLoRALinear) and type(module.weight).__name__ == "NF4Tensor", name
+        assert "weight" not in module._parameters  # a frozen buffer: nothing for FSDP or AdamW
+        full = lora.get_submodule(name).weight
+        w = dequantized(module.weight)
+        errors.append(((w - full).abs().mean() / full.abs().mean()).item())
+        with torch.no_grad():
+            full.copy_(w)  # the LoRA reference on the dequantized base
+    assert hf  # model.hf really went through NF4's copy_: 4-bit, with the error of 4 bits
+    assert 0.01 < max(errors) < 0.15, errors
+    got, got_g = _loss_and_grads(qlora)
+    want, want_g = _loss_and_grads(lora)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for key in want_g:
+        torch.testing.assert_close(got_g[key], want_g[key], rtol=1e-4, atol=1e-6, msg=key)
+    trainable = [n for n, p in qlora.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+
+
+def test_qlora_state_dict_keys_are_loras(base):
+    """Same keys as peft=lora: adapter-only checkpoints and the PEFT export read them unchanged."""
+    assert list(_model(base, "qlora").state_dict()) == list(_model(base, "lora").state_dict())
+
+
+@pytest.mark.parametrize("layout", ["parallelism=pp2", "parallelism=fsdp2_tp2_ep2"])
+def test_qlora_refuses_pp_and_ep_in_one_line(base, layout):
+    args = _args(base, "qlora", layout, "training.local_batch_size=2")
+    if "ep2" in layout:  # a MoE flavor of its own (the base folder is dense)
+        args = ["model=qwen3", "model.flavor=debugmodel_moe", "data.name=synthetic", "training.seq_len=12",
+                "peft=qlora", "peft.target_modules=[wq]", layout]
+    with pytest.raises(ConfigError, match=r"peft.method=qlora: not with parallelism\.(pp|ep)=2"):
+        prepare_job(args, get_plugin_manager())
+
+
+# ------------------------------------------------------------ 2 gloo ranks
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _layout_rank(rank: int, world: int, base: str) -> dict:
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+    from titan_plugins.train.lifecycle import build_model_parts
+
+    pm = get_plugin_manager()
+    ref = _model(base, "qlora", "parallelism=fsdp2")  # built whole, on this rank alone
+    want_loss, want = _loss_and_grads(ref)
+    out = {}
+    for layout in ("fsdp2", "tp2"):
+        spec, job, _ = prepare_job(_args(base, "qlora", f"parallelism={layout}"), pm)
+        dims = ParallelDims.from_config(job.parallelism, world)
+        dims.build_meshes("cpu")
+        torch.manual_seed(0)
+        model = build_model_parts(spec, job, dims, torch.device("cpu"), pm).parts[0]
+        load_hf_weights([model], spec, model_config(job.model, spec), base, verbose=False)
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            from titan_plugins.peft.lora import set_full
+
+            for _, module in adapter_modules(model):
+                shape = tuple(module.lora_B.weight.shape)
+                set_full(module.lora_B.weight, torch.randn(shape, generator=gen) * 0.1)
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        # FSDP: each rank its row, over the global token count (the gradients sum); TP: all rows
+        rows = TOKENS[rank:rank + 1] if layout == "fsdp2" else TOKENS
+        with loss_parallel() if layout == "tp2" else torch.enable_grad():
+            loss = token_loss_sum(model(rows[:, :-1]), rows[:, 1:]) / TOKENS[:, 1:].numel()
+            loss.backward()
+        loss = _full(loss).detach()
+        if layout == "fsdp2":
+            torch.distributed.all_reduce(loss)
+        got = {}
+        for name, module in adapter_modules(model):
+            got[f"{name}.A"], got[f"{name}.B"] = _full(module.lora_A.weight.grad), _full(module.lora_B.weight.grad)
+        out[layout] = {
+            "loss": (loss.item(), want_loss.item()),
+            "grad_diff": max((got[k] - want[k]).abs().max().item() for k in want),
+            "grad_max": max(want[k].abs().max().item() for k in want),
+            "nf4": sum(type(m.weight).__name__ == "NF4Tensor" for _, m in adapter_modules(model)),
+            "adapters": len(want),
+        }
+    return out
+
+
+@pytest.mark.slow
+def test_qlora_under_fsdp2_and_tp2_equals_one_process(base):
+    """Loss and every adapter gradient equal one process's (FSDP: a row per rank; TP: the
+    batch on both), the 4-bit base on every rank."""
+    from titan_plugins.testing.gloo import run_ranks
+
+    for result in run_ranks(_layout_rank, 2, str(base), timeout=300):
+        for layout, r in result.items():
+            got, want = r["loss"]
+            assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (layout, r)
+            assert r["nf4"] * 2 == r["adapters"], (layout, r)
+            assert r["grad_diff"] <= 1e-4 * max(1.0, r["grad_max"]), (layout, r)
