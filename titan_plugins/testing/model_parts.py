@@ -18,6 +18,7 @@ __all__ = [
     "assert_loss_parity",
     "assert_same_tensors",
     "build_part",
+    "cpu_histc",
     "cut_stage",
     "full",
     "hf_model",
@@ -28,6 +29,8 @@ __all__ = [
     "run_stages",
     "seeded_build",
     "sum_loss",
+    "torchtitan_on_cpu",
+    "torchtitan_reference",
 ]
 
 
@@ -217,3 +220,42 @@ def assert_same_tensors(got: Mapping[str, torch.Tensor], want: Mapping[str, torc
     assert sorted(got) == sorted(want)
     for name, value in want.items():
         assert torch.equal(got[name], value), name
+
+
+_histc = torch.histc
+
+
+def cpu_histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's signature
+    """``torch.histc`` for int64 on CPU (TorchTitan's router counts tokens per expert with it,
+    and CPU has no int64 kernel): counted in float32, handed back in the input's dtype
+    (exact for counts < 2**24)."""
+    if input.dtype.is_floating_point:
+        return _histc(input, bins=bins, min=min, max=max)
+    return _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
+
+
+def torchtitan_on_cpu(monkeypatch: Any) -> None:
+    """What a TorchTitan MoE reference needs on CPU: ``cpu_histc`` for ``torch.histc``, and one
+    thread (the comparison is bitwise; torch restores nothing else)."""
+    monkeypatch.setattr(torch, "histc", cpu_histc)
+    torch.set_num_threads(1)
+
+
+def torchtitan_reference(model_cls: Callable[[Any], nn.Module], args: Any, seq_len: int, seed: int) -> nn.Module:
+    """A TorchTitan 0.2.2 model as its trainer builds it: ``update_from_config`` with the
+    training ``seq_len`` (no context parallelism, no forced load balance), its SDPA wrapper on
+    the math kernel (ours runs under ``sdpa_kernel(MATH)`` too), then ``seeded_build``."""
+    from types import SimpleNamespace
+
+    from torch.nn.attention import SDPBackend
+
+    from titan_plugins.testing.torchtitan_ref import import_torchtitan
+
+    attention = import_torchtitan("torchtitan.models.attention")
+    attention.ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
+    args.update_from_config(SimpleNamespace(
+        training=SimpleNamespace(seq_len=seq_len),
+        parallelism=SimpleNamespace(context_parallel_degree=1),
+        debug=SimpleNamespace(moe_force_load_balance=False),
+    ))
+    return seeded_build(model_cls, args, seed)

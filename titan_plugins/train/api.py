@@ -74,9 +74,6 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     check_ranges(job)  # every numeric option's range, declared once in config/schema.py
     config = model_config(job.model, spec)
     check_job(job, config, pm.datasets())  # seq_len vs the model, the data source, model.hf, sinks
-    from titan_plugins.objectives.registry import build_objective
-
-    build_objective(job.get("objective")).check(job)  # the objective's own limits (dpo: pairs, even batch, no PP)
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)

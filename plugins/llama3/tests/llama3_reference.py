@@ -8,9 +8,8 @@ from __future__ import annotations
 from titan_llama3.config import Llama3Config
 from titan_llama3.model import build
 from torch import nn
-from torch.nn.attention import SDPBackend
 
-from titan_plugins.testing.model_parts import seeded_build
+from titan_plugins.testing.model_parts import seeded_build, torchtitan_reference
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
 
 
@@ -32,14 +31,7 @@ def reference_args(config: Llama3Config):
 
 def build_reference(config: Llama3Config, seq_len: int, seed: int) -> nn.Module:
     mm = import_torchtitan("torchtitan.models.llama3.model.model")
-    attention = import_torchtitan("torchtitan.models.attention")
-    attention.ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
-    args = reference_args(config)
-    job = type("Job", (), {})()
-    job.training = type("T", (), {"seq_len": seq_len})()
-    job.parallelism = type("P", (), {"context_parallel_degree": 1})()
-    args.update_from_config(job)
-    return seeded_build(mm.Transformer, args, seed)
+    return torchtitan_reference(mm.Transformer, reference_args(config), seq_len, seed)
 
 
 def build_ours(config: Llama3Config, seed: int) -> nn.Module:

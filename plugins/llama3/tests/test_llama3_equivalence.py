@@ -7,13 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from titan_plugins.testing.model_parts import (
-    assert_same_tensors,
-    loss_and_grads,
-    require_torchtitan,
-)
+from titan_plugins.testing import model_parts as mp
 
-require_torchtitan("torchtitan.models.llama3")  # or skip: a test-only dependency (pip install --no-deps)
+mp.require_torchtitan("torchtitan.models.llama3")  # or skip: a test-only dependency (pip install --no-deps)
 
 from llama3_reference import build_ours, build_reference  # noqa: E402
 from titan_llama3.config import FLAVORS  # noqa: E402
@@ -30,14 +26,14 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-_step = loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
+_step = mp.loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
 
 
 def _compare(cfg):
     ref = build_reference(cfg, SEQ, seed=3)
     ours = build_ours(cfg, seed=3)
     # Same seed, same init scheme: the weights are equal before any loading.
-    assert_same_tensors(ours.state_dict(), Llama3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
+    mp.assert_same_tensors(ours.state_dict(), Llama3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
     # the rotary cache too (TorchTitan's is as long as the training sequence)
     assert torch.equal(ours.freqs_cis[:SEQ], ref.freqs_cis)
 

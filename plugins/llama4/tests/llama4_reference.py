@@ -27,16 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend
 
-from titan_plugins.testing.model_parts import seeded_build
+from titan_plugins.testing.model_parts import cpu_histc, seeded_build  # noqa: F401 (re-exported)
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
-
-_histc = torch.histc
-
-
-def cpu_histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's signature
-    if input.dtype.is_floating_point:
-        return _histc(input, bins=bins, min=min, max=max)
-    return _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
 
 
 class ReferenceKernel(nn.Module):

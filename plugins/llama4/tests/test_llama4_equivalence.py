@@ -7,11 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from titan_plugins.testing.model_parts import loss_and_grads, require_torchtitan
+from titan_plugins.testing import model_parts as mp
 
-require_torchtitan("torchtitan.models.llama4")  # or skip: a test-only dependency (pip install --no-deps)
+mp.require_torchtitan("torchtitan.models.llama4")  # or skip: a test-only dependency (pip install --no-deps)
 
-from llama4_reference import build_reference, cpu_histc, flavor_args, reference_forward  # noqa: E402
+from llama4_reference import build_reference, flavor_args, reference_forward  # noqa: E402
 from titan_llama4.config import FLAVORS  # noqa: E402
 from titan_llama4.model import build  # noqa: E402
 from titan_llama4.state_dict_adapter import Llama4StateDictAdapter  # noqa: E402
@@ -21,8 +21,7 @@ SEQ, BATCH = 64, 2
 
 @pytest.fixture(autouse=True)
 def _cpu_reference(monkeypatch):
-    monkeypatch.setattr(torch, "histc", cpu_histc)
-    torch.set_num_threads(1)
+    mp.torchtitan_on_cpu(monkeypatch)
 
 
 def _ours(flavor: str, **overrides):
@@ -43,7 +42,7 @@ def _pair(flavor: str, seed: int = 0, kernel: str = "sdpa_mask", **overrides):
 
 
 def _step(model, tokens, labels, forward):
-    return loss_and_grads(model, tokens, labels, forward, every_param=True)
+    return mp.loss_and_grads(model, tokens, labels, forward, every_param=True)
 
 
 def _tokens(config, seed):

@@ -14,22 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 from titan_qwen3.config import Qwen3Config
 from titan_qwen3.model import build
 from torch import nn
-from torch.nn.attention import SDPBackend
 
-from titan_plugins.testing.model_parts import seeded_build
+from titan_plugins.testing.model_parts import cpu_histc, seeded_build, torchtitan_reference  # noqa: F401 (re-exported)
 from titan_plugins.testing.torchtitan_ref import import_torchtitan
-
-_histc = torch.histc
-
-
-def cpu_histc(input, bins=100, min=0, max=0, *, out=None):  # noqa: A002 - torch's signature
-    if input.dtype.is_floating_point:
-        return _histc(input, bins=bins, min=min, max=max)
-    return _histc(input.float(), bins=bins, min=min, max=max).to(input.dtype)
 
 
 def reference_args(config: Qwen3Config):
@@ -59,14 +49,7 @@ def build_reference(config: Qwen3Config, seq_len: int, seed: int) -> nn.Module:
     """Meta build -> ``update_from_config(seq_len)`` -> ``to_empty`` -> seeded
     ``init_weights``, as TorchTitan's trainer does."""
     mm = import_torchtitan("torchtitan.models.qwen3.model.model")
-    attention = import_torchtitan("torchtitan.models.attention")
-    attention.ScaledDotProductAttentionWrapper.sdpa_backends = [SDPBackend.MATH]
-    args = reference_args(config)
-    job = type("Job", (), {})()
-    job.training = type("T", (), {"seq_len": seq_len})()
-    job.debug = type("D", (), {"moe_force_load_balance": False})()
-    args.update_from_config(job)
-    return seeded_build(mm.Qwen3Model, args, seed)
+    return torchtitan_reference(mm.Qwen3Model, reference_args(config), seq_len, seed)
 
 
 def build_ours(config: Qwen3Config, seed: int) -> nn.Module:

@@ -7,15 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from titan_plugins.testing.model_parts import (
-    assert_same_tensors,
-    loss_and_grads,
-    require_torchtitan,
-)
+from titan_plugins.testing import model_parts as mp
 
-require_torchtitan("torchtitan.models.qwen3")  # or skip: a test-only dependency (pip install --no-deps)
+mp.require_torchtitan("torchtitan.models.qwen3")  # or skip: a test-only dependency (pip install --no-deps)
 
-from qwen3_reference import build_ours, build_reference, cpu_histc  # noqa: E402
+from qwen3_reference import build_ours, build_reference  # noqa: E402
 from titan_qwen3.config import FLAVORS  # noqa: E402
 from titan_qwen3.state_dict_adapter import Qwen3StateDictAdapter  # noqa: E402
 
@@ -24,11 +20,10 @@ SEQ, BATCH = 32, 2
 
 @pytest.fixture(autouse=True)
 def _cpu_reference(monkeypatch):
-    monkeypatch.setattr(torch, "histc", cpu_histc)
-    torch.set_num_threads(1)
+    mp.torchtitan_on_cpu(monkeypatch)
 
 
-_step = loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
+_step = mp.loss_and_grads  # (logits, loss, grads) under the math SDPA kernel
 
 
 def _compare(flavor: str, atol: float, **overrides):
@@ -36,7 +31,7 @@ def _compare(flavor: str, atol: float, **overrides):
     ref = build_reference(cfg, SEQ, seed=3)
     ours = build_ours(cfg, seed=3)
     # Same seed, same init scheme: the weights are equal before any loading.
-    assert_same_tensors(ours.state_dict(), Qwen3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
+    mp.assert_same_tensors(ours.state_dict(), Qwen3StateDictAdapter(cfg).from_torchtitan(ref.state_dict()))
     if cfg.enable_weight_tying:
         assert ours.output.weight is ours.tok_embeddings.weight
 
