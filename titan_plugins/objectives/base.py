@@ -56,6 +56,10 @@ class Objective(ABC):
         base under LoRA)."""
         return self.spec.needs_reference
 
+    def describe(self) -> str:
+        """What the run header says of it (its name and knobs)."""
+        return self.name
+
     def check(self, job: DictConfig) -> None:  # noqa: B027 (optional hook)
         """Before launch: raise ``ConfigError`` in one line for a job it cannot train."""
 

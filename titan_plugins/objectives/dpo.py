@@ -110,6 +110,14 @@ class DPOObjective(Objective):
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"objective.loss_type={self.loss_type}: expected one of {', '.join(LOSS_TYPES)}")
 
+    def describe(self) -> str:
+        knobs = f"loss_type {self.loss_type}, beta {self.beta:g}"
+        if self.loss_type in ("robust", "simpo") and self.label_smoothing:
+            knobs += f", label_smoothing {self.label_smoothing:g}"
+        if self.loss_type == "simpo":
+            knobs += f", simpo_gamma {self.simpo_gamma:g}"
+        return f"{self.name} ({knobs})"
+
     @property
     def needs_reference(self) -> bool:
         return self.loss_type not in REFERENCE_FREE
@@ -126,6 +134,12 @@ class DPOObjective(Objective):
         if int(job.parallelism.pp) > 1:
             raise ConfigError(f"parallelism.pp={job.parallelism.pp}: objective.name=dpo needs the whole pair's "
                               "log-probs in one place (the policy's and the reference's); use FSDP/TP without PP")
+        pref = job.data.get("preference") if hasattr(job.data, "get") else None
+        if pref is not None and pref.get("overlong") == "error":  # every pair must fit: checked now
+            from titan_plugins.train.data import preference_source as source
+
+            check = source.check_preference_sample if data == "preference_sample" else source.check_preference
+            check(job.data, int(job.training.seq_len))
         if self.loss_type != "robust" and self.label_smoothing and self.loss_type != "simpo":
             raise ConfigError(f"objective.label_smoothing={self.label_smoothing} is used by loss_type robust "
                               f"and simpo only (objective.loss_type={self.loss_type})")

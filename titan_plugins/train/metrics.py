@@ -61,6 +61,8 @@ class ConsoleSink:
         ]
         if "mfu" in metrics:
             parts.append(f"MFU {metrics['mfu']:.1f}%")
+        # An objective's own metrics are namespaced (dpo: rewards/margins, logps/chosen, ...)
+        parts.extend(f"{key} {metrics[key]:.4g}" for key in sorted(metrics) if "/" in key)
         parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
         if "eta_s" in metrics:
             parts.append(f"ETA {format_duration(metrics['eta_s'])}")

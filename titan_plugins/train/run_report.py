@@ -132,6 +132,7 @@ class RunStats:
     step_times: list[float] = field(default_factory=list)
     validation: tuple[int, float] | None = None  # (step, loss) of the last validation
     data_counts: str | None = None  # what the data source counted (chat: truncated, dropped, ...)
+    objective: str | None = None  # the objective's own metrics at the last step (dpo: rewards/*)
 
     def update(self, step: int, metrics: dict[str, float], now: float, total_steps: int) -> float:
         """Record one step; return the ETA in seconds."""
@@ -165,6 +166,8 @@ def summary_lines(stats: RunStats, now: float, *, memory_kind: str, checkpoint: 
         rows.append(("validation", f"loss {stats.validation[1]:.4f} at step {stats.validation[0]}"))
     if stats.data_counts:
         rows.append(("data", stats.data_counts))
+    if stats.objective:
+        rows.append(("objective", stats.objective))
     if stats.step_seconds > 0:
         rows.append(("throughput", f"{stats.tokens / stats.step_seconds:,.0f} tokens/s, all ranks "
                                    f"({format_count(stats.tokens)} tokens in {format_duration(stats.step_seconds)} of steps)"))
@@ -272,6 +275,7 @@ class RunReport:
             schedule=_schedule_text(job.training),
             peak=(f"{t.peak_tflops:.3g} TFLOP/s per rank ({t.peak_source}), for MFU"
                   if getattr(t, "peak_tflops", None) else "unknown (MFU not shown)"),
+            extra=[f"{'objective':<12}{t.objective_text}"] if getattr(t, "objective_text", None) else None,
         )
 
     def validation(self, step: int, metrics: dict[str, float]) -> None:

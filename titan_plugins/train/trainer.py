@@ -103,6 +103,9 @@ class Trainer:
             from titan_plugins.objectives.reference import build_reference
 
             self.reference = build_reference(self)
+        self.objective_text = self.objective.describe() + (
+            f"; reference: {self.reference.kind}" if self.reference is not None else "")
+        self.step_metrics: dict[str, float] = {}
 
         self.optimizers = [build_optimizer(part, job.training) for part in self.model.parts]
         self.schedulers = [build_lr_scheduler(opt, job.training) for opt in self.optimizers]
@@ -183,7 +186,8 @@ class Trainer:
     def data_counts(self) -> str | None:
         """What the training source counted (chat: conversations truncated, dropped, skipped),
         summed over the data-parallel ranks (a collective: every rank calls it)."""
-        stats = self.dataloader.stats() if hasattr(self.dataloader, "stats") else {}
+        source = self.dataloader if hasattr(self.dataloader, "stats") else getattr(self.dataloader, "dataset", None)
+        stats = source.stats() if hasattr(source, "stats") else {}  # a plain loader: its dataset's counts
         if not stats:
             return None
         keys = sorted(stats)
@@ -211,6 +215,8 @@ class Trainer:
         profiler.close(step)
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
         report.stats.data_counts = self.data_counts()
+        if self.step_metrics:
+            report.stats.objective = ", ".join(f"{k} {v:.4g}" for k, v in self.step_metrics.items())
         report.finish()
         if job.training.dump_final_params:
             self.dump_final_params()
