@@ -104,6 +104,9 @@ def check_job(job: DictConfig, model_config: Any, datasets: Mapping[str, Dataset
             "(lower training.seq_len or raise model.max_seq_len)"
         )
     check_data(job.data, datasets)
+    from titan_plugins.objectives.registry import build_objective
+
+    build_objective(job.get("objective")).check(job)  # its own limits (dpo: pair data, even batch, no PP)
     hf = job.model.get("hf") if hasattr(job.model, "get") else None
     if hf:
         check_hf_weights(hf)
