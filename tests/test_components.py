@@ -171,3 +171,103 @@ def test_first_party_folder_specs_resolve(name):
                  "config_from_hf", "config_to_hf", "optimizer_hooks"):
         assert spec.load(attr) is not None or (attr == "optimizer_hooks" and name == "llama3"), attr
     assert spec.default_flavor in spec.load("flavors")
+
+
+# ------------------------------------------------------------------ sinks
+def _hf_sink_attention(q, k, v, sinks, mask, scale):
+    """transformers' eager GPT-OSS attention (the reference), on (batch, heads, seq, dim)."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    module = types.SimpleNamespace(sinks=sinks, num_key_value_groups=q.shape[1] // k.shape[1], training=False)
+    additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
+    out, _ = gpt_oss.eager_attention_forward(module, q, k, v, additive, scale)
+    return out.transpose(1, 2)
+
+
+def test_sink_kernel_matches_transformers_gpt_oss_and_trains_its_sinks():
+    from titan_plugins.components.gqa import SinkKernel
+
+    torch.manual_seed(0)
+    kernel = SinkKernel("sdpa", n_heads=4)
+    kernel.init_weights(1.0)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    out = kernel(q, k, v, None)
+    want = _hf_sink_attention(q, k, v, kernel.sinks.detach(), causal, 8**-0.5)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    # The last two queries against all six keys (decoding with a cache): causal offset.
+    torch.testing.assert_close(kernel(q[:, :, 4:], k, v, None), want[:, :, 4:], rtol=1e-5, atol=1e-6)
+    # A very negative sink takes no mass: plain causal attention.
+    with torch.no_grad():
+        kernel.sinks.fill_(-1e4)
+    plain = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(kernel(q, k, v, None), plain, rtol=1e-5, atol=1e-6)
+    kernel.init_weights(1.0)
+    kernel(q, k, v, None).sum().backward()
+    assert kernel.sinks.grad is not None and kernel.sinks.grad.abs().sum() > 0
+
+
+def test_sink_kernel_flex_path_equals_the_eager_one():
+    from titan_plugins.components.attention_masks import block_mask, dense_mask
+    from titan_plugins.components.gqa import SinkKernel
+
+    torch.manual_seed(1)
+    kernel = SinkKernel("flex", n_heads=2)
+    kernel.init_weights(1.0)
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    doc = torch.tensor([[0] * 7 + [1] * 9])
+    with torch.no_grad():
+        flex = kernel(q, k, v, block_mask(doc, 16, None, q.device))
+        eager = kernel(q, k, v, dense_mask(doc, 16, None, q.device))
+    torch.testing.assert_close(flex, eager, rtol=1e-5, atol=1e-5)
+
+
+class _SinkAttention(torch.nn.Module):
+    """A block-shaped parent for the TP plan: ``attention`` with sinks, rotary-free."""
+
+    def __init__(self):
+        from titan_plugins.components.gqa import GQAttention, SinkKernel
+
+        super().__init__()
+
+        class Attention(GQAttention):
+            def forward(self, x, rope, mask):
+                q, k, v = (t.transpose(1, 2) for t in self.project(x))
+                return self.out(self.inner_attention(q, k, v, mask).transpose(1, 2))
+
+        self.attention = Attention(16, 4, 2, 4)
+        self.attention.inner_attention = SinkKernel("sdpa", n_heads=4)
+
+    def forward(self, x):
+        return self.attention(x, None, None)
+
+
+def _sink_tp_rank(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from titan_plugins.distributed import tensor_parallel as tpp
+    from titan_plugins.testing.model_parts import full, load_full_state_dict
+
+    torch.manual_seed(0)
+    ref = _SinkAttention()
+    ref.attention.inner_attention.init_weights(1.0)
+    x = torch.randn(2, 6, 16)
+    ref(x).sum().backward()
+    with torch.device("meta"):
+        model = _SinkAttention()
+    tpp.apply_tp_plan(model, init_device_mesh("cpu", (world,)), tpp.gqa_attention_plan(False, None, None))
+    model.to_empty(device="cpu")
+    load_full_state_dict(model, ref.state_dict())
+    out = model(x)
+    full(out).sum().backward()
+    sinks = model.attention.inner_attention.sinks
+    return {"out": (full(out) - ref(x).detach()).abs().max().item(), "local_sinks": sinks.to_local().shape[0],
+            "sink_grad": (full(sinks.grad) - ref.attention.inner_attention.sinks.grad).abs().max().item()}
+
+
+@pytest.mark.slow
+def test_sinks_shard_with_the_heads_under_tp():
+    from titan_plugins.testing.gloo import run_ranks
+
+    got = run_ranks(_sink_tp_rank, 2, timeout=180)[0]
+    assert got["local_sinks"] == 2  # 4 heads over tp=2
+    assert got["out"] < 1e-5 and got["sink_grad"] < 1e-5, got

@@ -11,14 +11,15 @@ module is named ``inner_attention`` so a TP plan can hand it local heads
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
-from titan_plugins.components.attention import AttentionBackend, attend, use_flex
+from titan_plugins.components.attention import AttentionBackend, attend, flex_kernel, use_flex
 from titan_plugins.components.compute_dtype import linear
 from titan_plugins.components.init import trunc_normal_
 
-__all__ = ["AttentionMaskT", "CausalKernel", "GQAttention"]
+__all__ = ["AttentionMaskT", "CausalKernel", "GQAttention", "SinkKernel"]
 
 AttentionMaskT = torch.Tensor | BlockMask | None
 
@@ -55,6 +56,45 @@ class CausalKernel(nn.Module):
                 lambda b, h, q, kv: q >= kv, 1, None, seqlen, seqlen, device=device
             )
         return self._causal[key]
+
+
+class SinkKernel(CausalKernel):
+    """``CausalKernel`` with attention sinks (GPT-OSS): one learnable logit per query head
+    joins every softmax and takes its share of the probability mass, attending to nothing.
+
+    ``softmax([scores, sink])`` without the sink's column equals the plain attention
+    output times ``sigmoid(lse - sink)``, ``lse`` the log-sum-exp of the row's scores.
+    A flex ``BlockMask`` runs flex attention with ``return_lse``; otherwise the scores are
+    computed eagerly (``(batch, heads, seq, kv)`` in memory, as transformers' eager
+    GPT-OSS attention). Under TP the ``sinks`` (per head) are sharded like the heads
+    (``LocalAttention`` shards a kernel's parameters on dim 0).
+    """
+
+    def __init__(self, backend: AttentionBackend | str, n_heads: int, scale: float | None = None):
+        super().__init__(backend, scale)
+        self.sinks = nn.Parameter(torch.empty(n_heads))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+        sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
+        if sinks.shape[0] != q.shape[1]:
+            raise ValueError(f"attention sinks: {sinks.shape[0]} sinks for {q.shape[1]} query heads")
+        scale = q.shape[-1] ** -0.5 if self.scale is None else self.scale
+        gqa = q.shape[1] != k.shape[1]
+        if isinstance(mask, BlockMask):
+            out, lse = flex_kernel(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa, return_lse=True)
+            return out * torch.sigmoid(lse - sinks.view(1, -1, 1)).unsqueeze(-1).to(out.dtype)
+        if gqa:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-2, -1)) * scale
+        if mask is None:  # causal; queries are the last positions when decoding
+            mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+        scores = scores.masked_fill(~mask, float("-inf"))
+        sink = sinks.view(1, -1, 1, 1).to(scores.dtype).expand(*scores.shape[:-1], 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return probs.to(v.dtype) @ v
+
+    def init_weights(self, std: float = 0.02) -> None:
+        trunc_normal_(self.sinks, mean=0.0, std=std)
 
 
 class GQAttention(nn.Module):

@@ -360,9 +360,16 @@ class LocalAttention(ParallelStyle):
     placements (``Shard(1)``: heads), so the region continues on DTensors. Inputs
     that are all plain leave the module untouched (e.g. TP on another stage).
     Masks (``BlockMask``) and other non-DTensor arguments pass through.
+
+    The kernel module's own parameters are per query head (attention sinks,
+    ``components.gqa.SinkKernel``): they are sharded like the heads, ``Shard(0)``,
+    and the kernel reads its local part (``to_local()``).
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for name, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [Shard(0)], src_data_rank=getattr(self, "src_data_rank", 0))
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
         state: dict[str, Any] = {}
 
         def unwrap(value):
