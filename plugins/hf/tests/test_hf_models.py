@@ -76,3 +76,20 @@ def test_tied_embeddings_stay_tied_after_init():
     with torch.no_grad():
         model.init_weights()
     assert model.output.weight is model.tok_embeddings.weight
+
+
+@pytest.mark.parametrize("flavor", ["tiny_gemma3", "tiny_gpt_oss"])
+def test_greedy_generation_with_cache_equals_transformers(tmp_path, flavor):
+    """``titan-generate``'s decode loop with the KV cache (transformers' own cache, its
+    sliding layers included: 20 positions > window 8) gives transformers' greedy ids."""
+    from titan_plugins.generate.sampling import SamplingConfig, generate
+
+    folder = save_folder(flavor, tmp_path / flavor)
+    ref = reference_model(folder)
+    ours = load_hf_model("hf", folder, overrides=["data=synthetic", "data.vocab_size=256"])
+    prompt = torch.randint(0, 256, (2, 6), generator=torch.Generator().manual_seed(2))
+    got = generate(ours, prompt, SamplingConfig(max_new_tokens=14))
+    uncached = generate(ours, prompt, SamplingConfig(max_new_tokens=14, use_cache=False))
+    want = ref.generate(prompt, max_new_tokens=14, do_sample=False, min_new_tokens=14, eos_token_id=None)
+    assert torch.equal(got, uncached)
+    assert torch.equal(got, want[:, prompt.shape[1]:])

@@ -90,13 +90,25 @@ class HFCausalLM(nn.Module):
                     p._is_hf_initialized = False  # transformers' init skips flagged tensors
                 self._shell._init_weights(module)
 
-    def _masks(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
+    def _masks(self, like: torch.Tensor, positions: torch.Tensor, cache: Any) -> dict[str, Any]:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         makers = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         return {kind: makers[kind](config=self.hf_config, inputs_embeds=like, attention_mask=None,
-                                   cache=None, position_ids=positions)
+                                   cache=cache, position_ids=positions)
                 for kind in set(self.layer_kinds)}
+
+    def _hf_cache(self, cache: Any) -> Any:
+        """transformers' own cache, kept on the core's ``KVCache`` for the whole decode
+        (sliding layers get transformers' sliding caches)."""
+        if cache is None:
+            return None
+        hf_cache = getattr(cache, "_titan_hf_cache", None)
+        if hf_cache is None:
+            from transformers import DynamicCache
+
+            hf_cache = cache._titan_hf_cache = DynamicCache(config=self.hf_config)
+        return hf_cache
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         if self._rope_per_kind:
@@ -104,7 +116,9 @@ class HFCausalLM(nn.Module):
         shared = self.rotary_emb(like, positions)
         return dict.fromkeys(set(self.layer_kinds), shared)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """``cache``: a ``titan_plugins.generate.KVCache`` (decoding, one stage only);
+        its ``pos`` is the rotary offset, transformers' cache holds the keys/values."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         from torch.distributed.tensor import DTensor
 
@@ -112,11 +126,15 @@ class HFCausalLM(nn.Module):
         batch, seq = local.shape[0], local.shape[1] * self.seq_shards
         # Masks and rotary read only the shape, dtype and device of what they are given.
         like = local.new_empty((batch, seq, 1))
-        positions = torch.arange(seq, device=local.device).unsqueeze(0)
-        masks, rope = self._masks(like, positions), self._rope(like, positions)
+        past = cache.pos if cache is not None else 0
+        positions = torch.arange(past, past + seq, device=local.device).unsqueeze(0)
+        hf_cache = self._hf_cache(cache)
+        masks, rope = self._masks(like, positions, hf_cache), self._rope(like, positions)
+        extra = {} if hf_cache is None else {"cache": hf_cache, "use_cache": True}
         for key, layer in self.layers.items():
             kind = self.layer_kinds[int(key)]
-            out = layer(h, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions)
+            out = layer(h, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
+                        **extra)
             h = out[0] if isinstance(out, tuple) else out
         if self.norm is not None:
             h = self.norm(h)
