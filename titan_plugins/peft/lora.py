@@ -184,7 +184,9 @@ def adapter_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
 @torch.no_grad()
 def merge_into(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """Our full ``state_dict`` with every adapter folded into its base weight
-    (``W + scaling * B A`` in fp32, cast back) and no adapter keys left."""
+    (``W + scaling * B A`` in fp32, cast back) and no adapter keys left. A QLoRA base
+    weight (NF4, a live model's) is dequantized first: the merged model is what the
+    run trained, the base's quantization error included."""
     out = {k: v for k, v in state_dict.items() if not is_adapter_key(k)}
     for key in adapters:
         if not key.endswith(".lora_A.weight"):
@@ -192,5 +194,7 @@ def merge_into(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Te
         module = key[: -len(".lora_A.weight")]
         a, b = adapters[key].float(), adapters[f"{module}.lora_B.weight"].float()
         w = out[f"{module}.weight"]
+        if hasattr(w, "get_original_weight"):  # a QLoRA base (NF4): dequantized, then merged
+            w = w.get_original_weight()
         out[f"{module}.weight"] = (w.float() + scaling * (b @ a)).to(w.dtype)
     return out

@@ -28,7 +28,8 @@ from torch import nn
 from titan_plugins.errors import ConfigError
 from titan_plugins.peft.lora import LoRALinear, adapter_modules, apply_lora
 
-__all__ = ["QLoRALinear", "apply_qlora", "check_qlora", "dequantized", "qlora_enabled", "quantize_base"]
+__all__ = ["QLoRALinear", "apply_qlora", "check_qlora", "dequantized", "qlora_enabled", "quantize_base",
+           "round_trip_base"]
 
 BLOCK_SIZE = 64  # weights per NF4 scale (QLoRA's and torchtune's)
 SCALER_BLOCK_SIZE = 256  # scales per int8 second-level scale (double quantization)
@@ -152,3 +153,18 @@ def quantize_base(model: nn.Module) -> int:
 def dequantized(value: torch.Tensor) -> torch.Tensor:
     """A base weight as a plain tensor in its original dtype (NF4 dequantized)."""
     return value.get_original_weight() if _is_nf4(value) else value
+
+
+@torch.no_grad()
+def round_trip_base(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full-precision base (``model.hf``, a checkpoint) as the QLoRA run saw it: each
+    adapted module's weight quantized to NF4 and back, with the run's blocks. Then
+    ``merge_into`` gives what a live QLoRA model merges (``--merge`` of a QLoRA run)."""
+    to_nf4 = _nf4()[2]
+    out = dict(state_dict)
+    for key in adapters:
+        if key.endswith(".lora_A.weight"):
+            name = key[: -len(".lora_A.weight")] + ".weight"
+            w = out[name]
+            out[name] = to_nf4(w, BLOCK_SIZE, _scaler_block(w.numel() // BLOCK_SIZE)).get_original_weight()
+    return out
