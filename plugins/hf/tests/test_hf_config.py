@@ -98,3 +98,17 @@ def test_flavor_round_trips_through_config_json(name):
     assert again["hf_config"] == flavor.hf_config
     assert (again["dim"], again["n_layers"], again["enable_weight_tying"]) == \
         (flavor.dim, flavor.n_layers, flavor.enable_weight_tying)
+
+
+def test_plan_at_64_ranks_in_one_process():
+    """``plan=true`` on the fake process group: FSDP x TP (SP) x PP at 64 ranks."""
+    from titan_plugins.config.hydra_glue import compose, resolve_job
+    from titan_plugins.plan import make_plan
+    from titan_plugins.train.api import typed_job
+
+    pm = get_plugin_manager(strict=True)
+    spec, job = resolve_job(compose(["model=hf", "model.flavor=tiny_mistral", *SYNTH, "parallelism.dp_shard=16",
+                                     "parallelism.tp=2", "parallelism.pp=2", "plan=true"], pm), pm)
+    plan = make_plan(spec, typed_job(job), pm)
+    assert plan.world_size == 64 and plan.degrees["tp"] == 2 and plan.degrees["pp"] == 2
+    assert len(plan.ranks) == 2 and all(r.memory.numel > 0 for r in plan.ranks)
