@@ -66,7 +66,7 @@ class DecoderBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(dim, eps=norm_eps)
         self.weight_init_std = weight_init_std
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: Any = None, cache=None) -> torch.Tensor:
         # cache only as a keyword, and only when decoding: a TP plan's input layouts cover the training call
         kw = {} if cache is None else {"cache": cache}
         h = x + match_layout(self.attention(self.attention_norm(x), rope, mask, **kw), x)
