@@ -202,6 +202,12 @@ class ChatDataset(StreamingTokenDataset):
         row = (torch.tensor(inputs, dtype=torch.int64), torch.tensor(labels, dtype=torch.int64))
         return (*row, torch.tensor(docs, dtype=torch.int64)) if self.chat["pack"] else row
 
+    def _flush(self, st: dict[str, Any]) -> list[Any]:
+        """A file of fewer conversations than fill one row: they make one padded row
+        per epoch (chat rows pad), instead of a refusal."""
+        pieces, st["carry"] = list(st["carry"]), []
+        return [self._row(pieces)] if pieces else []
+
     def _pack(self, st: dict[str, Any], batch: list[Any]) -> tuple[list[Any], dict[str, Any]]:
         pieces = list(st["carry"])
         stats = dict(st["stats"])

@@ -129,6 +129,12 @@ class StreamingTokenDataset(RowStream):
     def _fresh(self) -> dict[str, Any]:
         return fresh_stream_state()
 
+    def _flush(self, st: dict[str, Any]) -> list[Any]:
+        """Rows from what ``st`` carries when a whole epoch made none (the source is
+        smaller than one row); the carry is emptied first, so a resume after them starts
+        the next epoch. Text is not padded: none (the caller refuses the source)."""
+        return []
+
     def _pack(self, st: dict[str, Any], batch: list[Any]) -> tuple[list[Any], dict[str, Any], int]:
         """The rows that ``batch`` completes after ``st["carry"]``, the state after them
         (the new carry; what subclasses count), and the tokens ``batch`` held."""
@@ -167,6 +173,10 @@ class StreamingTokenDataset(RowStream):
                     st["rows"] = 0
                 st["unit"] += 1
                 st["record"] = 0
+            if not yielded_in_epoch:  # a source smaller than one row: what a subclass pads
+                for row in self._flush(st):
+                    yielded_in_epoch = True
+                    yield row
             if not yielded_in_epoch:
                 raise ConfigError(
                     f"{self.source} holds {tokens_in_epoch} tokens, fewer than training.seq_len + 1 = "

@@ -6,11 +6,10 @@ byte-level BPE (GPT-2 style) trained with ``tokenizers``' own trainer on the
 shipped corpus, its special tokens ``<|bos|>`` / ``<|eos|>`` appended last
 (ids 2046/2047), so every text round-trips.
 
-BOS/EOS/padding ids come from what the files state: ``tokenizer_config.json`` next to
-the file when it names them, else the ids ``config.json`` (then
-``generation_config.json``) of a Hugging Face folder gives, else the post-processor's
-template, and only then the usual names among its special tokens. ``encode`` never adds special tokens;
-document packing adds ``bos_id`` / ``eos_id`` itself where they exist.
+Which tokens are BOS/EOS/padding, and what the tokenizer adds before a text, follow
+transformers' rules, written once in ``titan_plugins.train.special_ids``. ``encode``
+never adds special tokens; ``encode_text`` adds what transformers' ``tokenizer(text)``
+adds; document packing writes ``prefix`` (``bos_id``) and ``eos_id`` itself.
 """
 
 from __future__ import annotations
@@ -26,68 +25,37 @@ from titan_plugins.errors import ConfigError
 ASSETS = Path(__file__).parent / "assets"
 DEFAULT_TOKENIZER = ASSETS / "tokenizer.json"
 SPECIAL_TOKENS = ("<|bos|>", "<|eos|>")
-_BOS_NAMES = ("<|bos|>", "<|begin_of_text|>", "<s>", "<bos>", "<|startoftext|>")
-_EOS_NAMES = ("<|eos|>", "<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<|im_end|>")
-_PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
-
-
-def _token_name(value: Any) -> str | None:
-    if isinstance(value, dict):  # tokenizer_config.json's AddedToken form
-        value = value.get("content")
-    return value if isinstance(value, str) else None
 
 
 class Tokenizer:
     """A ``tokenizers.Tokenizer`` with the ids a trainer needs.
 
-    ``encode(text) -> list[int]``, ``encode_batch(texts) -> list[list[int]]`` (in
-    Rust, parallel), ``decode(ids) -> str``; ``vocab_size``, ``bos_id``, ``eos_id``,
-    ``pad_id`` (-1 where the tokenizer has none).
+    ``encode(text) -> list[int]`` (no special tokens), ``encode_text(text)`` (what
+    transformers' ``tokenizer(text)`` gives: ``prefix`` + ids + ``suffix``),
+    ``encode_batch(texts)`` (in Rust, parallel), ``decode(ids) -> str``; ``vocab_size``.
+    Ids (-1 where there is none), by ``special_ids``' rules:
+
+    - ``bos_id``: the BOS the tokenizer adds before a text (what a packed document and a
+      prompt start with); -1 where it adds none, even if it names one (Qwen3: none;
+      Phi-3.5: ``<s>`` named, not added). ``bos_token_id``: the named BOS.
+    - ``eos_id``: its EOS (the document separator); ``eos_ids``: that and every other id
+      config.json / generation_config.json end generation with.
+    - ``pad_id``: its padding token, else ``eos_id`` (rows need some id);
+      ``stated_pad_id``: the padding token the files name (-1: none).
     """
 
-    def __init__(self, tok: Any, config: dict[str, Any] | None = None,
-                 ids: dict[str, int] | None = None) -> None:
+    def __init__(self, tok: Any, folder: str | Path | None = None) -> None:
+        from titan_plugins.train.special_ids import resolve_special_ids
+
         self.tok = tok
-        config, ids = config or {}, ids or {}
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
-        template = self._template_ids()
-
-        def stated(kind: str, fallback: int | None) -> int | None:
-            value = ids.get(kind)
-            return value if isinstance(value, int) and 0 <= value < self.vocab_size else fallback
-
-        self.bos_id = self._special(config.get("bos_token"), _BOS_NAMES, stated("bos", template[0]))
-        self.eos_id = self._special(config.get("eos_token"), _EOS_NAMES, stated("eos", template[1]))
-        pad = tok.padding["pad_id"] if tok.padding else None
-        self.pad_id = self._special(config.get("pad_token"), _PAD_NAMES, stated("pad", pad))
-        if self.pad_id < 0:
-            self.pad_id = self.eos_id
-
-    # -------------------------------------------------------------- specials
-    def _template_ids(self) -> tuple[int | None, int | None]:
-        """What the post-processor puts before and after a text, if anything."""
-        with_specials = self.tok.encode("a", add_special_tokens=True).ids
-        plain = self.tok.encode("a", add_special_tokens=False).ids
-        if with_specials == plain or not plain:
-            return None, None
-        n = len(plain)
-        for start in range(len(with_specials) - n + 1):
-            if with_specials[start : start + n] == plain:
-                before, after = with_specials[:start], with_specials[start + n :]
-                return (before[0] if before else None), (after[-1] if after else None)
-        return None, None
-
-    def _special(self, configured: Any, names: Sequence[str], fallback: int | None) -> int:
-        name = _token_name(configured)
-        if name is not None and self.tok.token_to_id(name) is not None:
-            return int(self.tok.token_to_id(name))
-        if fallback is not None:
-            return int(fallback)
-        specials = {t.content for t in self.tok.get_added_tokens_decoder().values() if t.special}
-        for name in names:
-            if name in specials:
-                return int(self.tok.token_to_id(name))
-        return -1
+        ids = resolve_special_ids(tok, Path(folder) if folder is not None else None)
+        self.special = ids
+        self.prefix, self.suffix = ids.prefix, ids.suffix
+        self.bos_id = ids.prefix[0] if ids.prefix else -1
+        self.bos_token_id, self.eos_id, self.stated_pad_id = ids.bos, ids.eos, ids.pad
+        self.eos_ids = ids.eos_list
+        self.pad_id = ids.pad if ids.pad >= 0 else self.eos_id
 
     def special_name(self, token_id: int) -> str | None:
         """The special (added) token ``token_id`` is, if it is one: text never encodes
@@ -98,6 +66,10 @@ class Tokenizer:
     # ------------------------------------------------------------------ coding
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_text(self, text: str) -> list[int]:
+        """``text`` as transformers' ``tokenizer(text)`` gives it (what the tokenizer adds)."""
+        return [*self.prefix, *self.encode(text), *self.suffix]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         return [e.ids for e in self.tok.encode_batch_fast(list(texts), add_special_tokens=False)]
@@ -137,30 +109,7 @@ class Tokenizer:
             raise ConfigError(
                 f"{key}={str(path)!r} is not a Hugging Face tokenizer.json ({first})"
             ) from None
-        return cls(tok, _read_json(p.parent / "tokenizer_config.json"), _stated_ids(p.parent))
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _stated_ids(folder: Path) -> dict[str, int]:
-    """``bos``/``eos``/``pad`` ids a Hugging Face folder's ``config.json`` states, then
-    ``generation_config.json`` for what it leaves out (a list: its first id)."""
-    out: dict[str, int] = {}
-    for name in ("config.json", "generation_config.json"):
-        data = _read_json(folder / name)
-        for kind in ("bos", "eos", "pad"):
-            value = data.get(f"{kind}_token_id")
-            if isinstance(value, list):
-                value = value[0] if value else None
-            if isinstance(value, int) and not isinstance(value, bool):
-                out.setdefault(kind, value)
-    return out
+        return cls(tok, p.parent)
 
 
 def build_tokenizer(data_config: Any) -> Tokenizer:
