@@ -161,3 +161,31 @@ def test_llama31_instruct_chat_launches_with_the_end_of_turn_id(pm, tmp_path) ->
     with pytest.raises(ConfigError, match=r"is <\|end_of_text\|>, not the EOS id"):
         prepare_job(["model=llama3", f"model.hf={folder}", "data.name=chat", f"data.path={rows}",
                      "training.seq_len=32", f"model.eos_id={ids['eos_token_id'][0]}"], pm)
+
+
+def test_llama31_export_keeps_the_eos_list_and_adds_no_pad(pm, tmp_path) -> None:
+    """An export writes the source's special-token fields unchanged: config.json's and
+    generation_config.json's EOS lists stay lists, and no pad_token_id appears that the
+    source folder did not have (issue 35.3, 35.6)."""
+    import json
+
+    import torch
+
+    from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.hf.export import export_folder
+    from titan_plugins.hf.load import load_hf_weights
+
+    folder, rows, ids = _llama31_instruct(tmp_path)
+    spec, job, _ = prepare_job(["model=llama3", f"model.hf={folder}", "data.name=chat", f"data.path={rows}",
+                                "training.seq_len=32"], pm)
+    cfg = model_config(job.model, spec)
+    model = spec.load("build")(cfg)
+    with torch.no_grad():
+        model.init_weights()
+    load_hf_weights([model], spec, cfg, folder)
+    out = export_folder(spec, cfg, job, model.state_dict(), tmp_path / "exported")
+    for name in ("config.json", "generation_config.json"):
+        source, written = (json.loads((d / name).read_text()) for d in (folder, out))
+        assert written["eos_token_id"] == source["eos_token_id"] == ids["eos_token_id"], name
+        assert "pad_token_id" not in written or written["pad_token_id"] == source.get("pad_token_id"), name
+        assert written.get("bos_token_id") == source.get("bos_token_id"), name

@@ -227,7 +227,9 @@ def folder_tokens(job: DictConfig, hf_config: dict[str, Any], vocab_size: int | 
         except Exception:  # a stub or foreign file: no ids from it
             tok = None
     if tok is not None:
-        for attr, name in (("bos", tok.bos_id), ("eos", tok.eos_id), ("pad", tok.pad_id)):
+        # the tokens the tokenizer names (not a pad it falls back to): an export adds no field
+        # the source did not have (issue 35.6)
+        for attr, name in (("bos", tok.bos_token_id), ("eos", tok.eos_id), ("pad", tok.stated_pad_id)):
             if name is not None and name >= 0:
                 setattr(tokens, attr, int(name))
                 tokens.names[f"{attr}_token"] = tok.tok.id_to_token(int(name))
