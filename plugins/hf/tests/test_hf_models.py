@@ -18,7 +18,7 @@ from titan_hf.testing import reference_model, save_folder  # noqa: E402
 
 from titan_plugins.hf import load_hf_model  # noqa: E402
 
-FAMILIES = [n for n in FLAVORS if n != "folder"]  # llama, qwen3, mistral, gemma3, phi3, olmo2, gpt_oss
+FAMILIES = [n for n in FLAVORS if n != "folder"]  # llama, qwen3, mistral, gemma3, phi3, olmo2, gpt_oss, mixtral, qwen3_moe
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -93,3 +93,26 @@ def test_greedy_generation_with_cache_equals_transformers(tmp_path, flavor):
     want = ref.generate(prompt, max_new_tokens=14, do_sample=False, min_new_tokens=14, eos_token_id=None)
     assert torch.equal(got, uncached)
     assert torch.equal(got, want[:, prompt.shape[1]:])
+
+
+@pytest.mark.parametrize("flavor", ["tiny_mixtral", "tiny_qwen3_moe"])
+def test_split_experts_export_loads_strictly(tmp_path, flavor):
+    """transformers 5 fuses these experts in memory, not on disk: the adapter writes one
+    tensor per expert again, and transformers loads the export strictly with our logits."""
+    from transformers import AutoModelForCausalLM
+
+    from titan_plugins.hf import export_model
+
+    folder = save_folder(flavor, tmp_path / flavor)
+    ours = load_hf_model("hf", folder, overrides=["data=synthetic", "data.vocab_size=256"])
+    with torch.no_grad():  # a change the export must carry
+        for name, p in ours.named_parameters():
+            if ".experts." in name:
+                p.add_(0.01)
+    export_model(ours, "hf", tmp_path / "out")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True,
+                                                       attn_implementation="sdpa")
+    assert not any(info.values()), info
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert (model.eval()(ids).logits - ours(ids)).abs().max() <= 1e-5

@@ -28,6 +28,8 @@ SUPPORTED: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
     "Olmo2ForCausalLM": "olmo2",
     "GptOssForCausalLM": "gpt_oss",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 #: Architectures transformers runs with eager attention only (no SDPA path).
 EAGER_ONLY = frozenset({"GptOssForCausalLM"})
@@ -89,6 +91,8 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("quantization_config"):
         raise _bad("quantization_config", hf["quantization_config"].get("quant_method"),
                    "quantized weights do not train; give a bf16/fp32 folder")
+    if hf.get("output_router_logits"):  # transformers would add its router aux loss to the loss
+        raise _bad("output_router_logits", True, "model=hf trains the language-model loss only; set it false")
     out: dict[str, Any] = {"architecture": arch}
     if arch in EAGER_ONLY:
         out["attn_implementation"] = AttnImpl.eager.value
@@ -155,6 +159,12 @@ _TINY_JSON: dict[str, dict[str, Any]] = {
                      **{**_TINY, "intermediate_size": 32}, "num_local_experts": 4, "num_experts_per_tok": 2,
                      "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"],
                      "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "tiny_mixtral": {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral",
+                     **{**_TINY, "intermediate_size": 32}, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "sliding_window": None},
+    "tiny_qwen3_moe": {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", **_TINY,
+                       "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                       "norm_topk_prob": True},
 }
 
 def _flavor(hf: dict[str, Any]) -> HFModelConfig:

@@ -66,6 +66,19 @@ def _norm_children(module: nn.Module) -> list[str]:
     return [name for name, child in module.named_children() if "Norm" in type(child).__name__]
 
 
+def _check_sequence_parallel(model: HFCausalLM, layer: nn.Module, gathered: set[str]) -> None:
+    """Under SP a layer's other children see a sequence shard: one holding weights the
+    plan does not gather for (an MoE block beside an attention-only plan) would sum
+    nothing over the TP ranks, so its gradient would be one rank's."""
+    norms = set(_norm_children(layer))
+    for name, child in layer.named_children():
+        if name not in gathered and name not in norms and any(True for _ in child.parameters()):
+            raise ConfigError(
+                f"parallelism.sequence_parallel=true: {model.config.architecture}'s base_model_tp_plan "
+                f"leaves the layer's {name!r} ({type(child).__name__}) out; run with "
+                "parallelism.sequence_parallel=false")
+
+
 def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """The model's own plan on each decoder layer, then embedding, norm and head."""
     sp = sequence_parallel
@@ -73,7 +86,9 @@ def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parall
     for layer in model.layers.values():
         layer_styles = {path: torch_style(style, sequence_parallel=sp) for path, style in plan.items()}
         if sp:
-            for parent in sorted({p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}):
+            gathered = {p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}
+            _check_sequence_parallel(model, layer, gathered)
+            for parent in sorted(gathered):
                 if parent == "self_attn":  # called as self_attn(hidden_states=...)
                     layer_styles[parent] = PrepareModuleInput(
                         input_kwarg_layouts={"hidden_states": Shard(1)},
