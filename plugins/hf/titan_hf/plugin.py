@@ -31,7 +31,7 @@ def titan_register_models(register):
             # MoE experts into one module with its own routing loop, which has no token
             # dispatch across ranks (shard the experts with dp_shard instead).
             capabilities=Capabilities(fsdp=True, tp=True, ep=False, pp=True),
-            description="any transformers 5.x causal LM folder (Llama, Mistral, Qwen3, Gemma 3, Phi-3, OLMo-2, GPT-OSS)",
+            description="any transformers 5.x causal LM folder (Llama, Mistral, Qwen3, Gemma 3, Phi-3, OLMo-2, GPT-OSS, Mixtral, Qwen3-MoE)",
         )
     )
 
