@@ -17,7 +17,7 @@ from titan_plugins.chat.formats import ChatFields, to_messages
 from titan_plugins.chat.template import ChatTemplate, load_chat_template
 from titan_plugins.errors import ConfigError
 
-CHAT_DATA = ("chat", "chat_sample")
+CHAT_DATA = ("chat", "chat_sample", "preference", "preference_sample")  # runs that trained on chats
 
 
 def read_messages(path: str | Path, *, key: str = "--messages") -> list[dict]:

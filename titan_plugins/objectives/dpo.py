@@ -46,8 +46,18 @@ class SequenceLogps(tuple):
     """``(logps, lengths)``: per row, the completion's summed log-prob and token count."""
 
 
+def _nll(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``token_nll`` as a plain tensor: under TP's loss_parallel it is a DTensor, and the
+    pair losses' ops (logsigmoid's backward) have no DTensor rule; ``full_tensor`` is
+    differentiable, so the gradient still reaches the sharded logits."""
+    from torch.distributed.tensor import DTensor
+
+    nll = token_nll(output, labels)
+    return nll.full_tensor() if isinstance(nll, DTensor) else nll
+
+
 def sequence_logps(output: torch.Tensor, labels: torch.Tensor) -> SequenceLogps:
-    logps = -token_nll(output, labels).sum(-1)
+    logps = -_nll(output, labels).sum(-1)
     lengths = (labels != IGNORE_INDEX).sum(-1).to(logps.dtype)
     return SequenceLogps((logps, lengths))
 
@@ -159,7 +169,7 @@ class DPOObjective(Objective):
     def loss(self, output: torch.Tensor, labels: torch.Tensor, *, scale: Any,
              reference: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         pairs, chosen_tokens = scale
-        nll = token_nll(output, labels)
+        nll = _nll(output, labels)
         logps = -nll.sum(-1)
         lengths = (labels != IGNORE_INDEX).sum(-1).to(logps.dtype)
         chosen, rejected = _halves(logps)

@@ -13,7 +13,7 @@ MoE token counters the forward adds to are put back, and FSDP units resharded af
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -50,15 +50,19 @@ class Reference:
             "a frozen copy of the starting weights, sharded like the policy"
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, inputs: torch.Tensor, reduce: Callable[[Any], Any] = lambda out: out) -> Any:
+        """``reduce(output)`` of the reference's forward, computed inside the forward's
+        contexts: the output may be the last hidden state with a reference to the head
+        (train/loss.py computes logits chunk by chunk), so the head's weights must still
+        be gathered (FSDP) and the adapters still off when the loss reads it."""
         from titan_plugins.train.validation import moe_counters_kept, resharded
 
         if self.frozen is not None:
             with resharded(self.frozen.parts):
-                return self.frozen.parts[0](inputs)
+                return reduce(self.frozen.parts[0](inputs))
         parts = self.policy.parts
         with adapters_off(parts), moe_counters_kept(parts), resharded(parts):
-            return parts[0](inputs)
+            return reduce(parts[0](inputs))
 
 
 def build_reference(trainer: Any) -> Reference:

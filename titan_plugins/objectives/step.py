@@ -72,7 +72,8 @@ def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
                 reference = None
                 if objective.needs_reference:
                     with torch.no_grad(), trainer._loss_context():
-                        reference = objective.reference_stats(trainer.reference(inputs), labels)
+                        reference = trainer.reference(
+                            inputs, lambda out, labels=labels: objective.reference_stats(out, labels))
                 with trainer._loss_context():
                     loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference)
                     if train:

@@ -62,6 +62,19 @@ DATASETS = (
         description="a few hundred synthetic conversations (shipped), ChatML, as data.name=chat",
     ),
     DatasetSpec(
+        name="preference",
+        build="titan_plugins.train.data.preference_source:build_preference",
+        check="titan_plugins.train.data.preference_source:check_preference",
+        description="preference pairs (data.path: JSONL, Parquet or a save_to_disk folder; TRL's "
+        "prompt/chosen/rejected layouts) through the chat template, for objective=dpo (data.preference.*)",
+    ),
+    DatasetSpec(
+        name="preference_sample",
+        build="titan_plugins.train.data.preference_source:build_preference_sample",
+        check="titan_plugins.train.data.preference_source:check_preference_sample",
+        description="300 synthetic preference pairs (shipped), ChatML, as data.name=preference",
+    ),
+    DatasetSpec(
         name="mix",
         build=f"{_SOURCES}:build_mix",
         check=_CHECK,

@@ -1,0 +1,84 @@
+"""objective=dpo end to end (titan-run): at initialisation the policy is the reference,
+so step 1's sigmoid loss is exactly ln 2 and every reward 0 (LoRA: adapters off; full
+fine-tuning: the frozen copy); on the shipped sample the chosen reward rises above the
+rejected one; fsdp2_tp2 equals one rank; what DPO cannot train is refused before launch."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from titan_plugins.errors import ConfigError
+from titan_plugins.train.api import run
+
+pytest.importorskip("titan_qwen3")
+
+TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+        "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false",
+        "metrics.tensorboard=false", "objective=dpo", "data=preference_sample", "training.seq_len=256",
+        "training.warmup_steps=0", "training.decay=none"]
+LN2 = torch.tensor(math.log(2), dtype=torch.float32).item()
+REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
+
+
+def _records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if "step" in r]
+
+
+def _go(tmp_path, name, *overrides):
+    result = run([*TINY, *overrides], run_dir=tmp_path / name, timeout=300)
+    assert result.returncode == 0, f"{name}: {result.error}\n{result.stderr[-3000:]}"
+    return result, _records(tmp_path / name)
+
+
+def test_lora_dpo_starts_at_ln2_and_learns_the_preference(tmp_path):
+    """Four pairs of the sample, every step (a toy set the policy can fit): the chosen
+    reward rises above the rejected one."""
+    from titan_plugins.train.data.chat_source import ASSETS
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join((ASSETS / "preference_sample.jsonl").read_text().splitlines(keepends=True)[:4]))
+    result, records = _go(tmp_path, "lora", "peft=lora", "training.steps=8", "training.lr=1e-2",
+                          "training.local_batch_size=8", "data=preference", f"data.path={pairs}")
+    first, last = records[0], records[-1]
+    assert first["loss"] == LN2 and all(first[k] == 0.0 for k in REWARDS)
+    assert set(REWARDS) | {"logps/chosen", "logps/rejected"} <= set(first)
+    assert last["rewards/margins"] > 0.0 and last["rewards/chosen"] > last["rewards/rejected"]
+    assert last["loss"] < LN2
+    out = result.stdout
+    assert "reference: the base model (LoRA adapters off, no second copy)" in out  # the header
+    assert "pairs 32" in out and "rewards/margins" in out  # the summary: data counts and metrics
+
+
+def test_full_fine_tuning_fsdp2_tp2_equals_one_rank(tmp_path):
+    """The frozen reference copy sharded like the policy: step 1 is ln 2 on both, and
+    the loss and rewards of three steps agree within the project's parity tolerance."""
+    from titan_plugins.compare.tolerances import LOSS_PARITY
+
+    seed_run = run([*TINY, "checkpoint.create_seed=true"], run_dir=tmp_path / "seed", timeout=300)
+    assert seed_run.returncode == 0, seed_run.error  # one set of starting weights for both layouts
+    seed = f"checkpoint.init_from={tmp_path / 'seed' / 'checkpoints' / 'seed'}"
+    _, one = _go(tmp_path, "one", seed, "training.steps=3", "training.local_batch_size=4", "metrics.console=false")
+    _, four = _go(tmp_path, "fsdp2_tp2", seed, "parallelism=fsdp2_tp2", "training.steps=3",
+                  "training.local_batch_size=2", "metrics.console=false")
+    assert one[0]["loss"] == LN2 and four[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+    for step, (a, b) in enumerate(zip(one, four), 1):
+        assert LOSS_PARITY.allows(a["loss"], b["loss"], step), (step, a["loss"], b["loss"])
+        for key in ("rewards/margins", "logps/chosen"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (step, key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallelism=pp2"], "parallelism.pp=2: objective.name=dpo needs"),
+    (["data=builtin"], "objective.name=dpo trains on preference pairs, but data.name=builtin"),
+    (["training.local_batch_size=3"], "training.local_batch_size=3 must be even"),
+])
+def test_what_dpo_cannot_train_is_one_line_before_launch(tmp_path, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        run([*TINY, *overrides], run_dir=tmp_path / "refused", timeout=60)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert not (tmp_path / "refused" / "metrics.jsonl").exists()
