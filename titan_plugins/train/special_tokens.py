@@ -122,6 +122,8 @@ def hand_special_tokens(spec: ModelSpec, job: DictConfig, model_node: DictConfig
     (``<|end_of_text|>``) ends no Llama 3.1 Instruct conversation."""
     if "eos_id" not in job.model:
         return
+    if job.data.get("name") == "synthetic" and job.data.get("vocab_size"):
+        return  # random ids of another vocabulary: no tokenizer is in use
     user = "eos_id" in model_node and not OmegaConf.is_missing(model_node, "eos_id")
     listed = None if user else _listed_eos(job)
     if listed is not None:
@@ -133,8 +135,6 @@ def hand_special_tokens(spec: ModelSpec, job: DictConfig, model_node: DictConfig
         return
     if _stated(spec, job, model_node, "eos_id"):
         return
-    if job.data.get("name") == "synthetic" and job.data.get("vocab_size"):
-        return  # random ids of another vocabulary: no tokenizer is in use
     eos = _tokenizer(job.data).eos_id
     if eos >= 0:
         job.model.eos_id = eos
