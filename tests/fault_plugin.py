@@ -1,5 +1,6 @@
 """A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``),
-so that a test can send a real signal to a real rank process mid-run."""
+so that a test can send a real signal to a real rank process mid-run, and poisons one
+rank's last hidden states with NaN at chosen steps (``TITAN_TEST_NAN``)."""
 
 from __future__ import annotations
 
@@ -20,4 +21,33 @@ def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, ran
         with open(f"{path}.tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(f"{path}.tmp", path)  # the pid, for the test's signal
-        time.sleep(120)  # the test kills a rank; the launcher stops this one
+        from titan_plugins.distributed.rank_signals import preemption_requested
+
+        deadline = time.monotonic() + 120  # the test kills a rank; the launcher stops this one
+        while time.monotonic() < deadline and preemption_requested() is None:
+            time.sleep(0.05)  # a preemption signal ends the wait: the trainer saves and stops
+
+
+@hookimpl
+def titan_after_parallelize(model: Any, parallel_dims: Any, job_config: Any) -> None:
+    """``TITAN_TEST_NAN=STEPS:RANK`` (``3,4:1``): that rank's hidden states become NaN in the
+    forward of those steps (counted as forward calls: one microbatch, no validation)."""
+    spec = os.environ.get("TITAN_TEST_NAN")
+    if not spec:
+        return None
+    steps, rank = spec.split(":")
+    bad = {int(s) for s in steps.split(",")}
+    calls = [0]
+
+    def poison(_module: Any, _inputs: Any, output: Any) -> Any:
+        import torch.distributed as dist
+
+        calls[0] += 1
+        if calls[0] in bad and dist.get_rank() == int(rank):
+            return output * float("nan")
+        return None
+
+    # The final norm's output (the head may be fused with the loss and run without hooks).
+    target = getattr(model, "norm", None) or model
+    target.register_forward_hook(poison)
+    return None  # the core's own implementation still runs

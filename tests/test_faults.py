@@ -33,16 +33,35 @@ EXTRA = ["tiny_plugin", "fault_plugin"]
 TIMEOUT = 240
 
 
-def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: bool = False) -> subprocess.Popen:
+    """The launcher in a session of its own; ``background``: as ``launcher &`` in a shell
+    script (it and its ranks inherit SIGINT ignored); the launcher's pid is then the
+    first line of stderr."""
     added = rank_env(EXTRA, env)
     with _patched_env(added):
         pm = get_plugin_manager(strict=True)
         _, job, dims = prepare_job([*BASE, *overrides], pm, run_dir=run_dir)
     config = write_config(job, run_dir)
-    return subprocess.Popen(
-        [sys.executable, "-m", "titan_plugins.train.worker", str(config), str(dims.world_size)],
-        env={**os.environ, **added}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        start_new_session=True)
+    cmd = [sys.executable, "-m", "titan_plugins.train.worker", str(config), str(dims.world_size)]
+    if background:
+        cmd = ["sh", "-c", '"$@" & echo $! >&2; wait $!', "sh", *cmd]
+    return subprocess.Popen(cmd, env={**os.environ, **added}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+def _left_behind(proc: subprocess.Popen, wait: float = 3.0) -> list[str]:
+    """The processes of ``proc``'s session still alive ``wait`` s after it exited
+    (a process re-parented to init keeps its session)."""
+    time.sleep(wait)
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[3]) == proc.pid and fields[0] != "Z":
+                left.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:120])
+        except (OSError, ValueError, IndexError):
+            continue
+    return left
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
@@ -102,6 +121,7 @@ def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
     took = time.monotonic() - t0
     assert _error_lines(err) == ["error: rank 1 was killed by signal SIGKILL"], err[-3000:]
     assert code == 137 and took < 15, (code, took)
+    assert _left_behind(proc) == []  # no worker, fork server or resource tracker outlives the job
     assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
 
     if mounted:
@@ -134,4 +154,76 @@ def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
     assert f"resumed from checkpoint {folder / 'step-2'} (step 2)" in out
     assert _error_lines(err) == ["error: interrupted (Ctrl-C)"], err[-3000:]
     assert code == 130
+    assert _left_behind(proc, wait=0.5) == []
     assert read_result(run_dir).losses == ref  # steps 3-6 bit for bit (the last record of a step wins)
+
+
+def test_sigint_in_a_script_preemption_and_resume(tmp_path):
+    """Issue 40.1/1b/2: a launcher in the background of a shell script (SIGINT ignored,
+    inherited by every rank) stops on SIGINT within seconds; on checkpoint.on_signal=USR1
+    the ranks save at the next step boundary and the job exits 75; the next run resumes
+    bit for bit; no process outlives any of the three jobs."""
+    ref_dir = tmp_path / "ref"
+    code, _, err = _finish(_start(ref_dir))
+    assert code == 0, err[-3000:]
+    ref = read_result(ref_dir).losses
+    run_dir = tmp_path / "job"
+    folder = run_dir / "checkpoints"
+
+    # SIGINT to the launcher of `titan-run ... &` while the ranks are parked after step 3.
+    proc = _start(run_dir, background=True, env={"TITAN_TEST_PARK_AFTER": "3"})
+    launcher = int(proc.stderr.readline())
+    _wait_parked(run_dir, proc)
+    t0 = time.monotonic()
+    os.kill(launcher, signal.SIGINT)
+    code, _, err = _finish(proc)
+    took = time.monotonic() - t0
+    assert _error_lines(err) == ["error: interrupted (Ctrl-C)"], err[-3000:]
+    assert code == 130 and took < 10, (code, took)  # the ranks ignored SIGINT: 30 s, then SIGKILL
+    assert _left_behind(proc) == []
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2"]
+
+    # checkpoint.on_signal=USR1: resumes from step-2, parked after step 3, USR1 to the launcher.
+    for p in run_dir.glob("parked-*"):
+        p.unlink()
+    proc = _start(run_dir, "checkpoint.on_signal=USR1", env={"TITAN_TEST_PARK_AFTER": "3"})
+    _wait_parked(run_dir, proc)
+    os.kill(proc.pid, signal.SIGUSR1)
+    code, out, err = _finish(proc)
+    assert f"resumed from checkpoint {folder / 'step-2'} (step 2)" in out
+    assert _error_lines(err) == [f"preempted: SIGUSR1 at step 3: checkpoint {folder / 'step-3'} saved; exit 75: "
+                                 "run the same command again to resume"], err[-3000:]
+    assert code == 75
+    assert _left_behind(proc) == []
+    assert "step-3" in [p.name for p in folder.iterdir()]
+
+    # The requeued job: resumes from step-3 and trains 4-6 as the reference did.
+    proc = _start(run_dir, "checkpoint.on_signal=USR1")
+    code, out, err = _finish(proc)
+    assert code == 0, err[-3000:]
+    assert f"resumed from checkpoint {folder / 'step-3'} (step 3)" in out
+    assert _left_behind(proc) == []
+    assert read_result(run_dir).losses == ref  # steps 1-6 bit for bit
+
+
+def test_nonfinite_steps_stop_or_are_skipped(tmp_path):
+    """Issue 40.3: NaN logits on rank 1 at step 3. stop (default): one line naming the
+    step and the rank, nothing saved over step-2. skip: no rank applies the update
+    (every later loss stays finite; an applied NaN update would poison every shard),
+    the step is listed in the summary."""
+    run_dir = tmp_path / "stop"
+    code, _, err = _finish(_start(run_dir, env={"TITAN_TEST_NAN": "3:1"}))
+    assert _error_lines(err) == ["error: step 3: the loss is not finite on rank 1; training.nonfinite=stop ended "
+                                 "the run before the optimizer step (nothing of it applied or saved; "
+                                 "training.nonfinite=skip drops such steps)"], err[-3000:]
+    assert code == 2
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-2"]
+
+    run_dir = tmp_path / "skip"
+    code, out, err = _finish(_start(run_dir, "training.nonfinite=skip", "metrics.console=true",
+                                    env={"TITAN_TEST_NAN": "3:1"}))
+    assert code == 0, err[-3000:]
+    losses = read_result(run_dir).losses
+    assert len(losses) == 6 and all(x == x for i, x in enumerate(losses) if i != 2), losses
+    assert "warning: step 3: the loss is not finite on rank 1: optimizer step skipped" in out
+    assert "non-finite  1 skipped (steps 3)" in out

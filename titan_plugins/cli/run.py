@@ -120,13 +120,14 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
     from titan_plugins.distributed.launcher import launch
     from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config
-    from titan_plugins.train.worker import RANK_PRELOAD, entry
+    from titan_plugins.train.worker import RANK_PRELOAD, entry, forwarded_signals
 
     config_path = write_config(job, run_dir)
     if job.plan.enabled:
         return _run_plan(spec, job, pm)
     clear_error_file(run_dir)
-    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=RANK_PRELOAD)
+    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=RANK_PRELOAD,
+                  forward=forwarded_signals(job))
 
 
 def _torchrun_run_dir() -> str:

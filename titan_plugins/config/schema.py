@@ -53,6 +53,21 @@ class LRDecay(str, Enum):
     cosine = "cosine"
 
 
+class NonFinite(str, Enum):
+    """training.nonfinite: what a NaN/Inf loss or gradient norm does (train/nonfinite.py)."""
+
+    stop = "stop"  # end the run before the optimizer step, one line naming step and rank
+    skip = "skip"  # drop that optimizer step on every rank (counted in the summary)
+
+
+class SaveSignal(str, Enum):
+    """checkpoint.on_signal: the signal on which the ranks save and exit 75 (preempted)."""
+
+    USR1 = "USR1"
+    USR2 = "USR2"
+    TERM = "TERM"
+
+
 @dataclass
 class ParallelismConfig:
     """Degrees: dp_replicate x dp_shard x tp x pp = world size.
@@ -116,6 +131,8 @@ class TrainingConfig:
     selective_every: int = ranged(2, "[1, inf)")
     compile: bool = False
     dump_final_params: bool = False  # rank 0 writes <run_dir>/final_params.pt (full tensors)
+    nonfinite: NonFinite = NonFinite.stop  # a NaN/Inf loss or grad norm on any rank: stop | skip
+    nonfinite_max_skips: int = ranged(5, "[1, inf)")  # skip: steps skipped in a row before one more stops the run
     # Positions per chunk of the fused head + cross-entropy (train/fused_loss.py): the full
     # logits and their gradient are never held; 0: the plain head and whole logits.
     loss_chunk_size: int = ranged(256, "[0, inf)")
@@ -182,6 +199,9 @@ class CheckpointConfig:
     save_final: bool = True
     create_seed: bool = False  # build + init_weights on one rank, save model weights, exit
     export_hf: bool = False  # at the end, write a Hugging Face folder to <run_dir>/hf (titan-export)
+    # On this signal the ranks save at the next step boundary and the job exits 75
+    # ("preempted, resume me"; docs/running.md, Faults and resuming). None: off.
+    on_signal: SaveSignal | None = None
 
 
 class WandbMode(str, Enum):

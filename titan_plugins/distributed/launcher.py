@@ -6,7 +6,11 @@ processes with a c10d rendezvous on localhost and no restarts. When a rank fails
 the agent stops the others; the first failure (``titan_plugins.failures``: a rank
 killed by a signal, else the earliest recorded error) is printed as one line (a
 crash also with its traceback) and its exit code returned. Ctrl-C ends the job
-with one line and exit code 130. Multi-node jobs run under ``torchrun --nnodes``
+with one line and exit code 130, whatever signal handlers the launcher inherited (the
+ranks reset theirs: ``rank_signals``). ``forward``: signals (the preemption signal,
+``checkpoint.on_signal``) passed on to the ranks alone; a job whose ranks saved and
+stopped on one ends with their line and ``PREEMPTED_EXIT`` (75). On every exit path the
+launcher ends every process the job left (``reaper``). Multi-node jobs run under ``torchrun --nnodes``
 instead (each process then trains as its own rank; see ``titan_plugins.cli.run``).
 
 ``python -m titan_plugins.distributed.launcher CONFIG.yaml NPROC MODULE:FUNCTION``
@@ -17,8 +21,10 @@ from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing
 import os
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -27,6 +33,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from titan_plugins.distributed.parallel_dims import threads_per_rank
+from titan_plugins.distributed.rank_signals import (
+    PENDING_FILE,
+    PID_FILE,
+    PREEMPTED_EXIT,
+    PREEMPTED_FILE,
+    reset_inherited,
+)
+from titan_plugins.distributed.reaper import Reaper, stop_resource_tracker, tracker_pid
 from titan_plugins.failures import (
     ERROR_FILE,
     FAILURE_DIR_ENV,
@@ -38,7 +52,7 @@ from titan_plugins.failures import (
 )
 from titan_plugins.run_dir import owned
 
-__all__ = ["FAILURE_DIR_ENV", "free_port", "launch", "read_failure_records"]
+__all__ = ["FAILURE_DIR_ENV", "PREEMPTED_EXIT", "free_port", "launch", "read_failure_records"]
 
 _first_failure = first_failure  # the name the launcher's tests know
 
@@ -66,9 +80,11 @@ def launch(
     *,
     error_file: str | os.PathLike | None = None,
     preload: Sequence[str] = (),
+    forward: Sequence[signal.Signals] = (),
 ) -> int:
     """Run ``entry(config_path)`` on ``nproc`` local ranks; returns the job's exit code.
-    ``preload``: modules the ranks' fork server imports once (see :func:`_start_method`)."""
+    ``preload``: modules the ranks' fork server imports once (see :func:`_start_method`);
+    ``forward``: signals passed on to the ranks (see :func:`_forwarding`)."""
     from torch.distributed.launcher.api import LaunchConfig
 
     _quiet_elastic()
@@ -85,10 +101,61 @@ def launch(
         monitor_interval=0.1,
         start_method=_start_method([entry.__module__, *preload]),
     )
+    reaper, tracker_before = Reaper(), tracker_pid()
     with owned(Path(config_path).parent):  # no second live job in this run directory
-        if config.start_method == "forkserver":
-            _start_fork_server()
-        return _launch(config, entry, config_path, error_file)
+        reaper.start_job()
+        # Every rank also writes its failure here: torch's ChildFailedError lists only
+        # the processes that had exited when the agent noticed the first failure. Set
+        # before the fork server starts: the ranks inherit the server's environment.
+        failure_dir = tempfile.mkdtemp(prefix="titan-failures-")
+        os.environ[FAILURE_DIR_ENV] = failure_dir
+        try:
+            if config.start_method == "forkserver":
+                _start_fork_server()
+            return _launch(config, _RankEntry(entry), config_path, error_file, failure_dir, tuple(forward))
+        finally:
+            os.environ.pop(FAILURE_DIR_ENV, None)
+            _end_job(reaper, config.start_method, tracker_before)
+            shutil.rmtree(failure_dir, ignore_errors=True)
+
+
+class _RankEntry:
+    """What each rank process runs: ``entry`` after resetting what the rank inherited.
+
+    - Signal handlers: a job in the background of a script ignores SIGINT in every
+      process it starts (see ``rank_signals``).
+    - The default start method: a rank forked from the fork server inherits
+      ``forkserver``, so each DataLoader would start a fork server of its own whose
+      workers watch that server, not the rank, and outlive the rank. Ranks start their
+      children with ``fork``, as a rank started by torchrun does.
+    (Its pid reaches the launcher's ``forward`` once it handles the signal:
+    ``rank_signals.install_preemption``.)"""
+
+    def __init__(self, entry: Callable[[str], object]) -> None:
+        self.entry = entry
+        # elastic names the job after it
+        self.__name__ = getattr(entry, "__name__", "entry")
+        self.__qualname__ = getattr(entry, "__qualname__", self.__name__)
+
+    def __call__(self, *args: object) -> object:
+        reset_inherited()
+        if "fork" in multiprocessing.get_all_start_methods():
+            multiprocessing.set_start_method("fork", force=True)
+        return self.entry(*args)
+
+
+def _end_job(reaper: Reaper, start_method: str, tracker_before: int | None) -> None:
+    """Every process the job left ends: the ranks' leftovers first (a fork server waits
+    for all its clients before it exits), then this launch's fork server and resource
+    tracker (which exit once nobody holds their pipes)."""
+    from multiprocessing import forkserver
+
+    server = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    reaper.end_job(keep={p for p in (server, tracker_pid()) if p})
+    if start_method == "forkserver":
+        _stop_fork_server()  # no idle server holding torch left behind in this process
+    if tracker_before is None:
+        stop_resource_tracker()
 
 
 def _start_method(preload: list[str]) -> str:
@@ -155,18 +222,64 @@ def _stop_fork_server() -> bool:
     return True
 
 
-def _launch(config, entry, config_path, error_file) -> int:
+def _forwarding(signals: tuple[signal.Signals, ...], failure_dir: str) -> dict[signal.Signals, object]:
+    """Pass each of ``signals`` on to the ranks alone (their pids are in ``failure_dir``),
+    instead of the elastic agent's handling (SIGTERM: stop the ranks); returns the
+    handlers it replaced."""
+    def forward(signum: int, _frame: object) -> None:
+        Path(failure_dir, PENDING_FILE).touch()  # for ranks still starting (rank_signals)
+        for path in Path(failure_dir).glob(PID_FILE.format(rank="*")):
+            try:
+                os.kill(int(path.read_text()), signum)
+            except (ValueError, OSError):
+                pass  # a rank that has exited, or a pid file being replaced
+
+    names = {s.name for s in signals}
+    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
+        n for n in (x.strip() for x in handled.split(",")) if n not in names)
+    return {sig: signal.signal(sig, forward) for sig in signals}  # launch runs in the main thread
+
+
+def _preempted(failure_dir: str, error_file) -> int | None:
+    """``PREEMPTED_EXIT`` after printing the ranks' line when they saved and stopped on
+    the preemption signal, else ``None``."""
+    path = Path(failure_dir) / PREEMPTED_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text().strip()
+    print(text, file=sys.stderr, flush=True)
+    if error_file is not None:
+        write_error_file(Path(error_file).parent, text)
+    return PREEMPTED_EXIT
+
+
+def _launch(config, entry, config_path, error_file, failure_dir: str | None = None, forward=()) -> int:
+    """The job under the elastic agent; ``failure_dir``: the ranks' records (``None``:
+    a folder of its own, removed after; :func:`launch` makes it before the fork server)."""
+    if failure_dir is None:
+        failure_dir = tempfile.mkdtemp(prefix="titan-failures-")
+        os.environ[FAILURE_DIR_ENV] = failure_dir
+        try:
+            return _launch(config, entry, config_path, error_file, failure_dir, forward)
+        finally:
+            os.environ.pop(FAILURE_DIR_ENV, None)
+            shutil.rmtree(failure_dir, ignore_errors=True)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # Every rank also writes its failure here: torch's ChildFailedError lists only
-    # the processes that had exited when the agent noticed the first failure.
-    failure_dir = tempfile.mkdtemp(prefix="titan-failures-")
-    os.environ[FAILURE_DIR_ENV] = failure_dir
+    saved_handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    replaced = _forwarding(forward, failure_dir) if forward else {}
     try:
         elastic_launch(config, entry)(str(config_path))
+        preempted = _preempted(failure_dir, error_file)
+        if preempted is not None:
+            return preempted
     except ChildFailedError as exc:
+        preempted = _preempted(failure_dir, error_file)
+        if preempted is not None:  # one rank's exit made the agent stop the others
+            return preempted
         rank, text, user, code = first_failure(exc, read_failure_records(failure_dir))
         print(failure_line(text), file=sys.stderr, flush=True)  # one format for every failure
         if error_file is not None:
@@ -181,10 +294,12 @@ def _launch(config, entry, config_path, error_file) -> int:
             write_error_file(Path(error_file).parent, text)
         return 128 + int(exc.sigval) if sigterm else 130
     finally:
-        os.environ.pop(FAILURE_DIR_ENV, None)
-        shutil.rmtree(failure_dir, ignore_errors=True)
-        if config.start_method == "forkserver":
-            _stop_fork_server()  # no idle server holding torch left behind in this process
+        for sig, handler in replaced.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        if saved_handled is None:
+            os.environ.pop("TORCHELASTIC_SIGNALS_TO_HANDLE", None)
+        else:
+            os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = saved_handled
     return 0
 
 

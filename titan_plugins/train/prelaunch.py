@@ -117,6 +117,9 @@ def check_job(job: DictConfig, model_config: Any, datasets: Mapping[str, Dataset
     check_sinks(job)  # an enabled MLflow/W&B sink needs its package
     check_mlflow_uri(job)
     check_profiling(job)
+    from titan_plugins.train.preemption import check_on_signal
+
+    check_on_signal(job)  # checkpoint.on_signal needs checkpoints
     from titan_plugins.distributed.float8 import check_float8
 
     check_float8(job)  # no CUDA / SM < 8.9 / no torchao: one line before launch

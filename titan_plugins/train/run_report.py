@@ -132,6 +132,7 @@ class RunStats:
     step_times: list[float] = field(default_factory=list)
     validation: tuple[int, float] | None = None  # (step, loss) of the last validation
     data_counts: str | None = None  # what the data source counted (chat: truncated, dropped, ...)
+    nonfinite: str | None = None  # training.nonfinite=skip: the steps it skipped (train/nonfinite.py)
     objective: str | None = None  # the objective's own metrics at the last step (dpo: rewards/*)
 
     def update(self, step: int, metrics: dict[str, float], now: float, total_steps: int) -> float:
@@ -166,6 +167,8 @@ def summary_lines(stats: RunStats, now: float, *, memory_kind: str, checkpoint: 
         rows.append(("validation", f"loss {stats.validation[1]:.4f} at step {stats.validation[0]}"))
     if stats.data_counts:
         rows.append(("data", stats.data_counts))
+    if stats.nonfinite:
+        rows.append(("non-finite", stats.nonfinite))
     if stats.objective:
         rows.append(("objective", stats.objective))
     if stats.step_seconds > 0:

@@ -25,8 +25,10 @@ from titan_plugins.spec import ModelSpec
 from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
 from titan_plugins.train.lifecycle import ModelParts, build_model_parts
 from titan_plugins.train.metrics import memory_gib
+from titan_plugins.train.nonfinite import NonFiniteGuard
 from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
 from titan_plugins.train.peak import mfu_percent, run_peak_tflops
+from titan_plugins.train.preemption import Preemption
 from titan_plugins.train.profiling import StepProfiler
 from titan_plugins.train.run_report import RunReport
 from titan_plugins.train.validation import Validator
@@ -122,6 +124,10 @@ class Trainer:
         self.dp_group = self.dims.mesh("dp").get_group() if self.dims.dp_enabled else None
         self.pp_group = self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None
         self.loss_parallel = self.dims.tp_enabled and bool(job.parallelism.loss_parallel)
+        self.nonfinite = NonFiniteGuard(job.training.get("nonfinite", "stop"),
+                                        job.training.get("nonfinite_max_skips", 5),
+                                        rank=self.rank, world=self.world, device=self.device)
+        self.preemption = Preemption(job, self.device)
         flops = spec.load("flops")
         self.flops_per_token = (
             float(flops(model_config(job.model, spec), int(job.training.seq_len))[1]) if flops else 0.0
@@ -170,8 +176,10 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.model.parameters(), float(self.job.training.max_norm), pp_group=self.pp_group
         )
-        for opt in self.optimizers:
-            opt.step()
+        # training.nonfinite: the ranks agree (one all-reduce) whether this update is dropped
+        if not self.nonfinite.check(getattr(self, "last_step", 0) + 1, loss_sum, grad_norm):
+            for opt in self.optimizers:
+                opt.step()
         for sched in self.schedulers:
             sched.step()
         for opt in self.optimizers:
@@ -215,6 +223,7 @@ class Trainer:
         profiler.close(step)
         pm.hook.titan_on_train_end(step=step, metrics=metrics, job_config=job, rank=rank)
         report.stats.data_counts = self.data_counts()
+        report.stats.nonfinite = self.nonfinite.summary()
         if self.step_metrics:
             report.stats.objective = ", ".join(f"{k} {v:.4g}" for k, v in self.step_metrics.items())
         report.finish()
@@ -270,8 +279,10 @@ class Trainer:
                 val = self.validator.run()
                 report.validation(step, val)
                 pm.hook.titan_on_validation_end(step=step, metrics=val, job_config=job, rank=rank)
-            if self.checkpointer.should_save(step, self.steps):
-                self.checkpointer.save(step)
+            saved = self.checkpointer.save(step) if self.checkpointer.should_save(step, self.steps) else None
+            sig = self.preemption.due()  # checkpoint.on_signal: the ranks agree, save and stop (exit 75)
+            if sig is not None and step < self.steps:
+                raise self.preemption.stop(sig, step, saved or self.checkpointer.save(step), rank)
         return step, metrics
 
     def dump_final_params(self) -> None:

@@ -25,7 +25,7 @@ from titan_plugins.failures import record_failure
 if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["RANK_PRELOAD", "entry", "load_job", "main", "record_failure", "run_rank"]
+__all__ = ["RANK_PRELOAD", "entry", "forwarded_signals", "load_job", "main", "record_failure", "run_rank"]
 
 # Imported once by the launcher's fork server for every rank (titan_plugins/train/preload.py).
 RANK_PRELOAD = ("titan_plugins.train.preload",)
@@ -77,6 +77,7 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
     from titan_plugins.distributed.teardown import destroy_process_groups
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.metrics import register_sinks
+    from titan_plugins.train.preemption import Preempted
     from titan_plugins.train.trainer import Trainer
 
     _set_threads()
@@ -102,6 +103,7 @@ def run_rank(config_path: str | os.PathLike) -> dict[str, float]:
         # them exits the agent may kill this rank before it could say why. The
         # launcher names the earliest record.
         record_failure(exc)
+        finished = isinstance(exc, Preempted)  # every rank saved and stops after the same step
         raise
     finally:
         destroy_process_groups(synchronize=finished)
@@ -124,6 +126,15 @@ def entry(config_path: str) -> None:
         raise SystemExit(exc.exit_code if isinstance(exc, TitanError) else 1) from None
 
 
+def forwarded_signals(job: DictConfig) -> tuple:
+    """What the launcher passes on to the ranks: ``checkpoint.on_signal`` (the ranks save
+    and stop on it, ``titan_plugins.train.preemption``)."""
+    from titan_plugins.train.preemption import signal_of
+
+    sig = signal_of(job.checkpoint.get("on_signal"))
+    return (sig,) if sig is not None else ()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``CONFIG.yaml NPROC``: launch ``entry`` on NPROC local ranks."""
     from titan_plugins.distributed.launcher import launch
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     config_path, nproc = argv[0], int(argv[1])
     try:
         return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE,
-                      preload=RANK_PRELOAD)
+                      preload=RANK_PRELOAD, forward=forwarded_signals(load_job(config_path)))
     except TitanError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
