@@ -163,3 +163,37 @@ def test_out_of_range_values_stop_before_launch(override, message):
         with pytest.raises(ConfigError) as info:
             prepare_job(["model=tiny", override], pm)
     assert str(info.value).startswith(message)
+
+
+def test_nonfinite_skip_counts_and_stops_after_max_skips_in_a_row(capsys):
+    import torch
+
+    from titan_plugins.train.nonfinite import NonFiniteError, NonFiniteGuard
+
+    guard = NonFiniteGuard("skip", 2, rank=0, world=1, device=torch.device("cpu"))
+    ok, nan = torch.tensor(1.0), torch.tensor(float("nan"))
+    assert guard.check(1, ok, ok) is False
+    assert guard.check(2, nan, ok) is True and guard.check(3, ok, torch.tensor(float("inf"))) is True
+    assert guard.check(4, ok, ok) is False  # the count in a row starts again
+    assert guard.check(5, nan, ok) is True
+    assert guard.summary() == "3 skipped (steps 2, 3, 5)"
+    with pytest.raises(NonFiniteError, match=r"^step 7: the loss is not finite on rank 0, 3 steps in a row; "
+                                             r"training.nonfinite_max_skips=2 ended the run"):
+        guard.check(6, nan, ok)
+        guard.check(7, nan, ok)
+    stop = NonFiniteGuard("stop", 5, rank=0, world=1, device=torch.device("cpu"))
+    with pytest.raises(NonFiniteError, match=r"^step 9: the gradient norm is not finite"):
+        stop.check(9, ok, nan)
+    assert "warning: step 2: the loss is not finite on rank 0: optimizer step skipped" in capsys.readouterr().out
+
+
+def test_on_signal_needs_checkpoints_before_launch():
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import _patched_env, prepare_job, rank_env
+
+    with _patched_env(rank_env(["tiny_plugin"])):
+        pm = get_plugin_manager(strict=True)
+        with pytest.raises(ConfigError, match=r"^checkpoint.on_signal=USR1 needs checkpoints"):
+            prepare_job(["model=tiny", "checkpoint.on_signal=USR1"], pm)
+        with pytest.raises(ConfigError, match="training.nonfinite"):
+            prepare_job(["model=tiny", "training.nonfinite=sometimes"], pm)
