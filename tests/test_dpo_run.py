@@ -42,8 +42,15 @@ def test_lora_dpo_starts_at_ln2_and_learns_the_preference(tmp_path):
 
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join((ASSETS / "preference_sample.jsonl").read_text().splitlines(keepends=True)[:4]))
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join((ASSETS / "preference_sample_val.jsonl").read_text().splitlines(keepends=True)[:4]))
     result, records = _go(tmp_path, "lora", "peft=lora", "training.steps=8", "training.lr=1e-2",
-                          "training.local_batch_size=8", "data=preference", f"data.path={pairs}")
+                          "training.local_batch_size=8", "data=preference", f"data.path={pairs}",
+                          "validation.enabled=true", "validation.every=8", "validation.steps=1",
+                          f"validation.path={held_out}")
+    lines = (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()
+    (val,) = [r for r in map(json.loads, lines) if "validation_step" in r]
+    assert val["pairs"] == 4 and set(REWARDS) <= set(val) and val["loss"] > 0  # the held-out pairs' DPO loss
     first, last = records[0], records[-1]
     assert first["loss"] == LN2 and all(first[k] == 0.0 for k in REWARDS)
     assert set(REWARDS) | {"logps/chosen", "logps/rejected"} <= set(first)

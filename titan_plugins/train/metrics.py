@@ -72,8 +72,12 @@ class ConsoleSink:
     @hookimpl
     def titan_on_validation_end(self, step: int, metrics: dict[str, float], job_config: DictConfig, rank: int) -> None:
         if rank == 0 and job_config.metrics.console:
-            print(f"validation at step {step:>5} | loss {metrics['loss']:.4f} | "
-                  f"perplexity {metrics['perplexity']:.2f} | tokens {metrics['tokens']:,.0f}", flush=True)
+            if "perplexity" in metrics:  # objective=sft
+                print(f"validation at step {step:>5} | loss {metrics['loss']:.4f} | "
+                      f"perplexity {metrics['perplexity']:.2f} | tokens {metrics['tokens']:,.0f}", flush=True)
+                return
+            rest = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items() if k != "loss")  # another objective's
+            print(f"validation at step {step:>5} | loss {metrics['loss']:.4f} | {rest}", flush=True)
 
 
 class JsonlSink:
