@@ -222,7 +222,7 @@ def _stop_fork_server() -> bool:
     return True
 
 
-def _forwarding(signals: tuple[signal.Signals, ...], failure_dir: str) -> dict[signal.Signals, object]:
+def _forwarding(config, signals: tuple[signal.Signals, ...], failure_dir: str) -> dict[signal.Signals, object]:
     """Pass each of ``signals`` on to the ranks alone (their pids are in ``failure_dir``),
     instead of the elastic agent's handling (SIGTERM: stop the ranks); returns the
     handlers it replaced."""
@@ -235,9 +235,10 @@ def _forwarding(signals: tuple[signal.Signals, ...], failure_dir: str) -> dict[s
                 pass  # a rank that has exited, or a pid file being replaced
 
     names = {s.name for s in signals}
-    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
-        n for n in (x.strip() for x in handled.split(",")) if n not in names)
+    # elastic_launch hands these to the agent (TORCHELASTIC_SIGNALS_TO_HANDLE), whose
+    # handler would stop the ranks instead
+    config.signals_to_handle = ",".join(
+        n for n in (x.strip() for x in config.signals_to_handle.split(",")) if n not in names)
     return {sig: signal.signal(sig, forward) for sig in signals}  # launch runs in the main thread
 
 
@@ -270,7 +271,7 @@ def _launch(config, entry, config_path, error_file, failure_dir: str | None = No
     from torch.distributed.launcher.api import elastic_launch
 
     saved_handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
-    replaced = _forwarding(forward, failure_dir) if forward else {}
+    replaced = _forwarding(config, forward, failure_dir) if forward else {}
     try:
         elastic_launch(config, entry)(str(config_path))
         preempted = _preempted(failure_dir, error_file)
