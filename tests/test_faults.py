@@ -8,6 +8,10 @@ D  the next run in B's folder resumes from step-2 and hits a full disk (a tmpfs 
 C  the next run finds step-6 (truncated .metadata) and step-4 (truncated and missing
    shards) next to step-2: one warning naming both, resumes from step-2, trains
    bit for bit like A, and a Ctrl-C to its process group ends it with exit 130.
+
+The next tests reuse A: SIGINT to a launcher in the background of a script, preemption
+on checkpoint.on_signal and its resume; then non-finite steps (stop and skip). After
+every job: no process of its session is left.
 """
 
 from __future__ import annotations
@@ -89,6 +93,15 @@ def _error_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """A: the reference run (checkpoints step-2, -4, -6), shared by the tests here."""
+    ref_dir = tmp_path_factory.mktemp("faults") / "ref"
+    code, _, err = _finish(_start(ref_dir))
+    assert code == 0, err[-3000:]
+    return ref_dir
+
+
 @pytest.fixture
 def tmpfs(tmp_path):
     """A 4 MiB-granular tmpfs (root only), or None."""
@@ -98,10 +111,8 @@ def tmpfs(tmp_path):
     subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
-def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
-    ref_dir = tmp_path / "ref"
-    code, _, err = _finish(_start(ref_dir))
-    assert code == 0, err[-3000:]
+def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs, reference):
+    ref_dir = reference
     ref = read_result(ref_dir).losses
     step2 = ref_dir / "checkpoints" / "step-2"
     size = sum(p.stat().st_size for p in step2.iterdir())
@@ -158,15 +169,12 @@ def test_dead_rank_full_disk_and_damaged_checkpoints(tmp_path, tmpfs):
     assert read_result(run_dir).losses == ref  # steps 3-6 bit for bit (the last record of a step wins)
 
 
-def test_sigint_in_a_script_preemption_and_resume(tmp_path):
+def test_sigint_in_a_script_preemption_and_resume(tmp_path, reference):
     """Issue 40.1/1b/2: a launcher in the background of a shell script (SIGINT ignored,
     inherited by every rank) stops on SIGINT within seconds; on checkpoint.on_signal=USR1
     the ranks save at the next step boundary and the job exits 75; the next run resumes
     bit for bit; no process outlives any of the three jobs."""
-    ref_dir = tmp_path / "ref"
-    code, _, err = _finish(_start(ref_dir))
-    assert code == 0, err[-3000:]
-    ref = read_result(ref_dir).losses
+    ref = read_result(reference).losses
     run_dir = tmp_path / "job"
     folder = run_dir / "checkpoints"
 
