@@ -7,7 +7,7 @@ Writes config.json, sharded safetensors with model.safetensors.index.json and th
 run's tokenizer.json; ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
 loads it. ``--out`` must be a new or empty folder; ``--overwrite`` replaces an
 earlier titan-export of the same kind there and nothing else (a user's folder, the
-run directory, the current directory are never removed: ``titan_plugins.hf.out_dir``).
+run directory, the current directory are never removed: ``titan_plugins.export.out_dir``).
 Exit code 0 on success, 2 on bad input.
 """
 
@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, metavar="DIR", help="the Hugging Face folder to write (new or empty)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace DIR if it holds an earlier export of the same kind (never anything else)")
-    kind = p.add_mutually_exclusive_group()  # LoRA runs (peft=lora): titan_plugins/peft/export.py
+    kind = p.add_mutually_exclusive_group()  # LoRA runs (peft=lora): titan_plugins/export/lora.py
     kind.add_argument("--adapter", action="store_true",
                       help="write the LoRA adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors)")
     kind.add_argument("--merge", action="store_true",
@@ -36,16 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from titan_plugins.hf.export import export_checkpoint
+    from titan_plugins.export.full import export_checkpoint
 
     try:
         if args.adapter or args.merge:
-            from titan_plugins.peft.export import export_adapter, export_merged
+            from titan_plugins.export.lora import export_adapter, export_merged
 
             write = export_adapter if args.adapter else export_merged
             out = write(args.path, args.out, overwrite=args.overwrite)
         else:
-            from titan_plugins.peft.export import refuse_lora_full_export
+            from titan_plugins.export.lora import refuse_lora_full_export
 
             refuse_lora_full_export(args.path)
             out = export_checkpoint(args.path, args.out, overwrite=args.overwrite)

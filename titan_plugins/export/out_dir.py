@@ -3,9 +3,11 @@ a Hugging Face folder follows (``titan-export``, ``checkpoint.export_hf``, the m
 and PEFT-adapter writers), so that no export ever deletes what a user keeps.
 
     claim_out_dir(out, "full", overwrite=args.overwrite, protect={"the run directory": run_dir})
-    tmp = staging_dir(out)            # a fresh folder next to ``out``
-    ... write config.json, *.safetensors, ... into tmp ...
-    publish_dir(tmp, out, "full")     # marks it, then swaps it in
+    write_export(out, "full", fill)   # fill(tmp) writes into a fresh folder next to ``out``,
+                                      # which is then marked and swapped in
+
+``write_export`` is ``staging_dir`` -> ``fill`` -> plain file modes -> ``publish_dir``,
+removing the staging folder whatever happens; every kind of export goes through it.
 
 The rules (``claim_out_dir``, before any work; a ``ConfigError`` in one line):
 
@@ -30,12 +32,12 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["KINDS", "MARKER", "claim_out_dir", "export_kind", "publish_dir", "staging_dir"]
+__all__ = ["KINDS", "MARKER", "claim_out_dir", "export_kind", "publish_dir", "staging_dir", "write_export"]
 
 MARKER = ".titan-export.json"
 KINDS = ("full", "merged", "peft-adapter")
@@ -133,3 +135,27 @@ def publish_dir(tmp: str | os.PathLike, out: str | os.PathLike, kind: str) -> Pa
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def plain_modes(folder: Path) -> None:
+    """Files and the folder with the usual permissions (umask), not safetensors' or
+    mkdtemp's owner-only 0600/0700."""
+    umask = os.umask(0)
+    os.umask(umask)
+    folder.chmod(0o777 & ~umask)
+    for f in folder.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)
+
+
+def write_export(out: str | os.PathLike, kind: str, fill: Callable[[Path], None]) -> Path:
+    """An export of ``kind`` at ``out`` (claimed before: ``claim_out_dir``): ``fill``
+    writes the files into a new staging folder next to ``out``, which then replaces
+    ``out`` (``publish_dir``). Nothing but the staging folder is removed on failure."""
+    tmp = staging_dir(out)
+    try:
+        fill(tmp)
+        plain_modes(tmp)
+        return publish_dir(tmp, out, kind)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # left only if writing or publishing failed

@@ -51,9 +51,9 @@ def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManag
     """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir.
     A LoRA run's adapter-only checkpoint goes onto its base (``checkpoint.init_from``,
     else ``model.hf``), as a start of the run puts it."""
-    from titan_plugins.hf.export import find_checkpoint
-    from titan_plugins.peft.checkpoint import load_lora_run_weights
+    from titan_plugins.export.source import find_checkpoint
     from titan_plugins.peft.lora import lora_enabled
+    from titan_plugins.peft.run_weights import load_lora_run_weights
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import typed_job
     from titan_plugins.train.checkpoint import load_model_weights

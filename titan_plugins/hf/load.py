@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titan_plugins.distributed.shards import local_slices
 from titan_plugins.errors import ConfigError
 from titan_plugins.hf.mapping import HFMapping
 
@@ -88,18 +89,6 @@ class HFCheckpoint:
         return sl[index] if index else sl[:]
 
 
-def _local_slices(value: Any) -> tuple[Any, tuple[slice, ...]]:
-    """``(local tensor to fill, global index of that shard)``."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-    if isinstance(value, DTensor):
-        shape, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        local = value.to_local()
-        return local, tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
-    return value, tuple(slice(0, s) for s in value.shape)
-
-
 def _probe(adapter: Any, key: str, shape: torch.Size) -> tuple[torch.Tensor, dict[str, Any]]:
     probe = torch.empty(shape, device="meta")
     return probe, adapter.to_hf({key: probe})
@@ -127,7 +116,7 @@ def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> tuple[list[
     """Fill one entry from its own Hugging Face tensors; returns ``(names read,
     whether only the shard's slices were read)``, or ``None`` when the entry cannot
     be mapped alone (fused with others, or absent)."""
-    local, index = _local_slices(value)
+    local, index = local_slices(value)
     try:
         probe, mapped = _probe(adapter, key, value.shape)
     except Exception:  # needs its fused partners: the grouped pass handles it
@@ -171,7 +160,7 @@ def _fill_declared(ckpt: HFCheckpoint, mapping: Any, config: Any, key: str, valu
         if tuple(ckpt.shape(name)) != tuple(want):
             raise ConfigError(f"model.hf={ckpt.folder}: {name} has shape {tuple(ckpt.shape(name))}, "
                               f"the model's {key} {tuple(value.shape)} needs {tuple(want)}")
-    local, index = _local_slices(value)
+    local, index = local_slices(value)
     if local.numel() == 0:
         return list(sources), True
     part, sliced = mapping.load(key, tuple(value.shape), index, ckpt, config)
@@ -201,7 +190,7 @@ def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], use
     for names in groups.values():
         ours = adapter.from_hf({n: ckpt.read(n) for n in names})
         for key in [k for k in pending if k in ours]:
-            local, index = _local_slices(pending.pop(key))
+            local, index = local_slices(pending.pop(key))
             _copy(ckpt, key, local, ours[key][index])
             filled += 1
     return filled

@@ -148,7 +148,7 @@ def adapter_modules(model: nn.Module) -> Iterator[tuple[str, LoRAMixin]]:
 
 
 def _local_slices(value: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
-    from titan_plugins.hf.load import _local_slices as local_slices
+    from titan_plugins.distributed.shards import local_slices
 
     return local_slices(value)
 

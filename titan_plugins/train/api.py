@@ -90,7 +90,7 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     from titan_plugins.peft.lora import lora_enabled
 
     if lora_enabled(job):  # target patterns, float8, peft.init_from: before any rank starts
-        from titan_plugins.peft.export import adapter_shapes
+        from titan_plugins.peft.checkpoint import adapter_shapes
 
         adapter_shapes(spec, job)
         folder = job.peft.init_from
