@@ -12,9 +12,8 @@ import torch
 from torch import nn
 
 from titan_plugins.generate import SamplingConfig, generate, supports_generation
-from titan_plugins.testing.conformance.generation import check_generation  # the kit's contract
 
-__all__ = ["check_generation", "check_kv_cache", "supports_generation"]
+__all__ = ["check_kv_cache", "supports_generation"]  # check_generation: titan_plugins.testing.conformance
 
 
 def check_kv_cache(model: nn.Module, vocab_size: int, *, prompt_len: int = 6, new_tokens: int = 10,

@@ -11,10 +11,10 @@ and ``titan-plugins[wandb]``.
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.train.sinks.naming import default_run_name, flat_params  # noqa: F401 - their old home
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -42,26 +42,3 @@ def optional_sinks() -> list[tuple[str, Any]]:
     from titan_plugins.train.sinks.wandb_sink import WandbSink
 
     return [("titan.mlflow", MLflowSink()), ("titan.wandb", WandbSink())]
-
-
-def default_run_name(job: DictConfig, run_dir: str) -> str:
-    """``<model>-<flavor>-<run dir name>``: tells runs apart in a tracker's list."""
-    flavor = job.model.get("flavor") or "default"
-    return f"{job.model.name}-{flavor}-{Path(run_dir).name}"
-
-
-def flat_params(job: DictConfig) -> dict[str, Any]:
-    """The resolved job as ``{"training.lr": 0.003, ...}`` (trackers take flat params)."""
-    from omegaconf import OmegaConf
-
-    out: dict[str, Any] = {}
-
-    def walk(prefix: str, node: Any) -> None:
-        if isinstance(node, dict):
-            for k, v in node.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            out[prefix] = getattr(node, "value", node)  # Enum members as their value
-
-    walk("", OmegaConf.to_container(job, resolve=True, enum_to_str=True))
-    return out

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from titan_plugins.hookspecs import hookimpl
-from titan_plugins.train.sinks import default_run_name, flat_params
+from titan_plugins.train.sinks.naming import default_run_name, flat_params
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
