@@ -50,6 +50,10 @@ from typing import Any, Protocol
 
 import torch
 
+# A plugin's model config: its own dataclass, so its type is the plugin's, not the core's.
+ModelConfig = Any
+StateDict = dict[str, torch.Tensor]  # our or Hugging Face names -> (meta, plain or DTensor) tensors
+
 __all__ = [
     "Absent", "Fuse", "HFMapping", "MappedAdapter", "Rename", "RotaryPermute", "Split", "Stack", "Tied",
     "Transform", "Transpose",
@@ -85,14 +89,14 @@ class Pattern:
         m = self.regex.fullmatch(name)
         return m.groupdict() if m else None
 
-    def format(self, values: dict[str, Any]) -> str:
+    def format(self, values: dict[str, str | int]) -> str:
         return self.text.format(**values)
 
     def __repr__(self) -> str:
         return self.text
 
 
-def _full(t: Any) -> Any:
+def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
@@ -107,10 +111,10 @@ class Transform:
     ``hf_index`` maps a slice of ours to the slice of the Hugging Face tensor that
     holds it, or is ``None`` when no slice does (the tensor is then read whole)."""
 
-    def to_hf(self, t: torch.Tensor, config: Any) -> torch.Tensor:
+    def to_hf(self, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         return t
 
-    def from_hf(self, t: torch.Tensor, config: Any) -> torch.Tensor:
+    def from_hf(self, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         return t
 
     def hf_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
@@ -130,13 +134,13 @@ class Transpose(Transform):
     dim0: int = -2
     dim1: int = -1
 
-    def _swap(self, seq: Sequence[Any]) -> tuple[Any, ...]:
+    def _swap(self, seq: Sequence[int] | Index) -> tuple[int | slice, ...]:  # a shape or a slice index
         out = list(seq)
         a, b = _norm(self.dim0, len(out)), _norm(self.dim1, len(out))
         out[a], out[b] = out[b], out[a]
         return tuple(out)
 
-    def to_hf(self, t: torch.Tensor, config: Any) -> torch.Tensor:
+    def to_hf(self, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         return t.transpose(self.dim0, self.dim1)
 
     from_hf = to_hf
@@ -155,29 +159,29 @@ class RotaryPermute(Transform):
     config attribute (or a function of the config) giving the tensor's head count.
     Works on weights and biases; read whole by a sharded load."""
 
-    heads: str | Callable[[Any], int]
+    heads: str | Callable[[ModelConfig], int]
 
-    def _heads(self, config: Any) -> int:
+    def _heads(self, config: ModelConfig) -> int:
         return self.heads(config) if callable(self.heads) else getattr(config, self.heads)
 
-    def _permute(self, w: torch.Tensor, config: Any, to_hf: bool) -> torch.Tensor:
+    def _permute(self, w: torch.Tensor, config: ModelConfig, to_hf: bool) -> torch.Tensor:
         heads = self._heads(config)
         rows, rest = w.shape[0], tuple(w.shape[1:])
         half = rows // heads // 2
         pairs = (heads, half, 2) if to_hf else (heads, 2, half)
         return w.reshape(*pairs, *rest).transpose(1, 2).reshape(rows, *rest).clone()
 
-    def to_hf(self, t: torch.Tensor, config: Any) -> torch.Tensor:
+    def to_hf(self, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         return self._permute(t, config, to_hf=True)
 
-    def from_hf(self, t: torch.Tensor, config: Any) -> torch.Tensor:
+    def from_hf(self, t: torch.Tensor, config: ModelConfig) -> torch.Tensor:
         return self._permute(t, config, to_hf=False)
 
     def hf_index(self, index: Index) -> None:
         return None
 
 
-def _read_through(src: Source, name: str, transform: Transform, index: Index, config: Any) -> tuple[torch.Tensor, bool]:
+def _read_through(src: Source, name: str, transform: Transform, index: Index, config: ModelConfig) -> tuple[torch.Tensor, bool]:
     """Our ``index`` of the tensor Hugging Face stores as ``name``: ``(values, sliced)``."""
     hf_index = transform.hf_index(index)
     if hf_index is None:
@@ -185,7 +189,7 @@ def _read_through(src: Source, name: str, transform: Transform, index: Index, co
     return transform.from_hf(src.read(name, hf_index), config), True
 
 
-def _sizes(sizes: Any, config: Any, total: int, n: int, what: str) -> list[int]:
+def _sizes(sizes: Sequence[int] | Callable[[ModelConfig], Sequence[int]] | None, config: ModelConfig, total: int, n: int, what: str) -> list[int]:
     if sizes is not None:
         out = list(sizes(config) if callable(sizes) else sizes)
     elif total % n:
@@ -211,17 +215,17 @@ class Rename(Entry):
     def __init__(self, ours: str, hf: str, transform: Transform | None = None) -> None:
         self.ours, self.hf, self.transform = (Pattern(ours),), (Pattern(hf),), transform or IDENTITY
 
-    def to_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def to_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         return {self.hf[0].format(values): self.transform.to_hf(parts[0], config)}
 
-    def from_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def from_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         return {self.ours[0].format(values): self.transform.from_hf(parts[0], config)}
 
-    def sources(self, values: dict[str, str], shape: Sequence[int], config: Any) -> dict[str, tuple[int, ...]]:
+    def sources(self, values: dict[str, str], shape: Sequence[int], config: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {self.hf[0].format(values): self.transform.hf_shape(shape)}
 
     def load(self, values: dict[str, str], part: int, shape: Sequence[int], index: Index, src: Source,
-             config: Any) -> tuple[torch.Tensor, bool]:
+             config: ModelConfig) -> tuple[torch.Tensor, bool]:
         return _read_through(src, self.hf[0].format(values), self.transform, index, config)
 
 
@@ -231,20 +235,20 @@ class Stack(Entry):
     number of tensors a checkpoint must have."""
 
     def __init__(self, ours: str, hf: str, transform: Transform | None = None,
-                 count: Callable[[Any], int] | None = None, placeholder: str = "E") -> None:
+                 count: Callable[[ModelConfig], int] | None = None, placeholder: str = "E") -> None:
         self.ours, self.hf, self.transform = (Pattern(ours),), (Pattern(hf),), transform or IDENTITY
         self.count, self.e = count, placeholder
 
-    def to_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def to_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         full = _full(parts[0])
         return {self.hf[0].format({**values, self.e: e}): self.transform.to_hf(full[e], config)
                 for e in range(full.shape[0])}
 
-    def sources(self, values: dict[str, str], shape: Sequence[int], config: Any) -> dict[str, tuple[int, ...]]:
+    def sources(self, values: dict[str, str], shape: Sequence[int], config: ModelConfig) -> dict[str, tuple[int, ...]]:
         one = self.transform.hf_shape(shape[1:])
         return {self.hf[0].format({**values, self.e: e}): one for e in range(shape[0])}
 
-    def gather(self, values: dict[str, str], by_e: dict[int, Any], config: Any) -> dict[str, Any]:
+    def gather(self, values: dict[str, str], by_e: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         n = self.count(config) if self.count else len(by_e)
         if sorted(by_e) != list(range(n)):
             where = ", ".join(f"{k}={v}" for k, v in values.items())
@@ -253,7 +257,7 @@ class Stack(Entry):
                                                           for e in range(n)])}
 
     def load(self, values: dict[str, str], part: int, shape: Sequence[int], index: Index, src: Source,
-             config: Any) -> tuple[torch.Tensor, bool]:
+             config: ModelConfig) -> tuple[torch.Tensor, bool]:
         rows = [_read_through(src, self.hf[0].format({**values, self.e: e}), self.transform, index[1:], config)
                 for e in range(shape[0])[index[0]]]
         if not rows:
@@ -267,22 +271,22 @@ class Fuse(Entry):
     (a list, or a function of the config) when the parts differ in size."""
 
     def __init__(self, hf: str, ours: Sequence[str], dim: int = 0, transform: Transform | None = None,
-                 sizes: Sequence[int] | Callable[[Any], Sequence[int]] | None = None) -> None:
+                 sizes: Sequence[int] | Callable[[ModelConfig], Sequence[int]] | None = None) -> None:
         self.hf, self.ours = (Pattern(hf),), tuple(Pattern(p) for p in ours)
         self.dim, self.transform, self.sizes = dim, transform or IDENTITY, sizes
 
-    def to_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def to_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         tensors = [self.transform.to_hf(parts[i], config) for i in range(len(self.ours))]
         return {self.hf[0].format(values): torch.cat(tensors, dim=self.dim)}
 
-    def from_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def from_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         t = parts[0]
         dim = _norm(self.dim, t.dim())
         sizes = _sizes(self.sizes, config, t.shape[dim], len(self.ours), str(self.hf[0]))
         return {p.format(values): self.transform.from_hf(chunk, config)
                 for p, chunk in zip(self.ours, t.split(sizes, dim=dim), strict=True)}
 
-    def _layout(self, shape: Sequence[int], config: Any) -> tuple[int, list[int], tuple[int, ...]]:
+    def _layout(self, shape: Sequence[int], config: ModelConfig) -> tuple[int, list[int], tuple[int, ...]]:
         """``(dim, part sizes, Hugging Face shape)`` for parts shaped like ``shape``."""
         one = list(self.transform.hf_shape(shape))
         dim = _norm(self.dim, len(one))
@@ -291,11 +295,11 @@ class Fuse(Entry):
         one[dim] = total
         return dim, _sizes(self.sizes, config, total, len(self.ours), str(self.hf[0])), tuple(one)
 
-    def sources(self, values: dict[str, str], shape: Sequence[int], config: Any) -> dict[str, tuple[int, ...]]:
+    def sources(self, values: dict[str, str], shape: Sequence[int], config: ModelConfig) -> dict[str, tuple[int, ...]]:
         return {self.hf[0].format(values): self._layout(shape, config)[2]}
 
     def load(self, values: dict[str, str], part: int, shape: Sequence[int], index: Index, src: Source,
-             config: Any) -> tuple[torch.Tensor, bool]:
+             config: ModelConfig) -> tuple[torch.Tensor, bool]:
         name = self.hf[0].format(values)
         dim, sizes, _ = self._layout(shape, config)
         offset = sum(sizes[:part])
@@ -313,27 +317,27 @@ class Split(Entry):
     cat([transform(h) for h in hf], dim)`` along ``dim`` of our layout."""
 
     def __init__(self, ours: str, hf: Sequence[str], dim: int = 0, transform: Transform | None = None,
-                 sizes: Sequence[int] | Callable[[Any], Sequence[int]] | None = None) -> None:
+                 sizes: Sequence[int] | Callable[[ModelConfig], Sequence[int]] | None = None) -> None:
         self.ours, self.hf = (Pattern(ours),), tuple(Pattern(p) for p in hf)
         self.dim, self.transform, self.sizes = dim, transform or IDENTITY, sizes
 
-    def _split(self, t: Any, config: Any) -> tuple[int, list[int]]:
+    def _split(self, t: torch.Tensor, config: ModelConfig) -> tuple[int, list[int]]:
         dim = _norm(self.dim, len(t))
         return dim, _sizes(self.sizes, config, t[dim], len(self.hf), str(self.ours[0]))
 
-    def to_hf(self, values: dict[str, str], parts: dict[int, Any], config: Any) -> dict[str, Any]:
+    def to_hf(self, values: dict[str, str], parts: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         t = parts[0]
         dim, sizes = self._split(t.shape, config)
         return {p.format(values): self.transform.to_hf(chunk, config)
                 for p, chunk in zip(self.hf, t.split(sizes, dim=dim), strict=True)}
 
-    def gather(self, values: dict[str, str], by_part: dict[int, Any], config: Any) -> dict[str, Any]:
+    def gather(self, values: dict[str, str], by_part: dict[int, torch.Tensor], config: ModelConfig) -> StateDict:
         if sorted(by_part) != list(range(len(self.hf))):
             raise KeyError(f"{self.ours[0]}: needs all of {', '.join(map(str, self.hf))}")
         tensors = [self.transform.from_hf(by_part[i], config) for i in range(len(self.hf))]
         return {self.ours[0].format(values): torch.cat(tensors, dim=self.dim)}
 
-    def sources(self, values: dict[str, str], shape: Sequence[int], config: Any) -> dict[str, tuple[int, ...]]:
+    def sources(self, values: dict[str, str], shape: Sequence[int], config: ModelConfig) -> dict[str, tuple[int, ...]]:
         dim, sizes = self._split(shape, config)
         out = {}
         for p, size in zip(self.hf, sizes, strict=True):
@@ -343,7 +347,7 @@ class Split(Entry):
         return out
 
     def load(self, values: dict[str, str], part: int, shape: Sequence[int], index: Index, src: Source,
-             config: Any) -> tuple[torch.Tensor, bool]:
+             config: ModelConfig) -> tuple[torch.Tensor, bool]:
         dim, sizes = self._split(shape, config)
         pieces, sliced, start = [], True, 0
         for p, size in zip(self.hf, sizes, strict=True):
@@ -361,7 +365,7 @@ class Split(Entry):
 class Tied(Entry):
     """``ours`` is ``source`` when ``when(config)``: not written, re-created on load."""
 
-    def __init__(self, ours: str, source: str, when: Callable[[Any], bool] = lambda c: True) -> None:
+    def __init__(self, ours: str, source: str, when: Callable[[ModelConfig], bool] = lambda c: True) -> None:
         self.ours, self.source, self.when = (Pattern(ours),), source, when
 
 
@@ -371,8 +375,8 @@ class Absent(Entry):
     ``default(config)`` (a tensor, or ``None`` for none) is what ``from_hf`` puts
     beside each entry matching ``alongside``."""
 
-    def __init__(self, ours: str, *, check: Callable[[str, Any], None] | None = None,
-                 default: Callable[[Any], Any] | None = None, alongside: str | None = None) -> None:
+    def __init__(self, ours: str, *, check: Callable[[str, torch.Tensor], None] | None = None,
+                 default: Callable[[ModelConfig], torch.Tensor | None] | None = None, alongside: str | None = None) -> None:
         self.ours, self.check, self.default = (Pattern(ours),), check, default
         self.alongside = Pattern(alongside) if alongside else None
 
@@ -410,7 +414,7 @@ class HFMapping:
     def is_skipped(self, key: str) -> bool:
         return any(p.fullmatch(key) for p in self.skip)
 
-    def find(self, key: str, config: Any) -> _Bound | None:
+    def find(self, key: str, config: ModelConfig) -> _Bound | None:
         """The entry that writes our ``key``; ``None`` when nothing is written for it
         (a buffer, a tied weight); KeyError when the declaration does not know it."""
         if self.is_skipped(key):
@@ -434,10 +438,10 @@ class HFMapping:
         return None
 
     # --------------------------------------------------------- directions
-    def to_hf(self, state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+    def to_hf(self, state_dict: StateDict, config: ModelConfig) -> StateDict:
         """Hugging Face names and layouts for ``state_dict``; a fused tensor needs all its parts."""
-        out: dict[str, Any] = {}
-        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, Any]] = {}
+        out: StateDict = {}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, torch.Tensor]] = {}
         for key, value in state_dict.items():
             bound = self.find(key, config)
             if bound is None:
@@ -468,11 +472,11 @@ class HFMapping:
                 return name[len(prefix):]
         return name
 
-    def from_hf(self, hf_state_dict: dict[str, Any], config: Any) -> dict[str, Any]:
+    def from_hf(self, hf_state_dict: StateDict, config: ModelConfig) -> StateDict:
         """Our names and layouts; stacked and split entries gathered; tied and absent
         entries re-created. An unknown Hugging Face name is a KeyError."""
-        out: dict[str, Any] = {}
-        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, Any]] = {}
+        out: StateDict = {}
+        groups: dict[tuple[int, tuple[tuple[str, str], ...]], dict[int, torch.Tensor]] = {}
         for name, value in hf_state_dict.items():
             name = self._strip(name)
             if any(p.fullmatch(name) for p in self.ignore_hf):
@@ -504,7 +508,7 @@ class HFMapping:
         return out
 
     # ------------------------------------------------------ sharded loads
-    def sources(self, key: str, shape: Sequence[int], config: Any) -> dict[str, tuple[int, ...]]:
+    def sources(self, key: str, shape: Sequence[int], config: ModelConfig) -> dict[str, tuple[int, ...]]:
         """The Hugging Face tensors (with their expected shapes) our ``key`` of global
         ``shape`` is read from; empty when it has none (tied, absent, a buffer)."""
         bound = self.find(key, config)
@@ -514,7 +518,7 @@ class HFMapping:
         return {self.prefix + k: v for k, v in found.items()}
 
     def load(self, key: str, shape: Sequence[int], index: Index, src: Source,
-             config: Any) -> tuple[torch.Tensor, bool] | None:
+             config: ModelConfig) -> tuple[torch.Tensor, bool] | None:
         """The slice ``index`` of our ``key`` (global ``shape``), read from ``src``:
         ``(values, whether only slices were read)``, or ``None`` when Hugging Face has
         no such tensor (the entry keeps its initial value)."""
@@ -524,7 +528,7 @@ class HFMapping:
         return bound.entry.load(bound.values, bound.part, shape, index, _Prefixed(src, self.prefix), config)
 
     def check(self, hf_shapes: dict[str, Sequence[int]], shapes: dict[str, Sequence[int]],
-              config: Any) -> list[str]:
+              config: ModelConfig) -> list[str]:
         """Problems between a checkpoint (``hf_shapes``: name -> shape, as in its
         safetensors) and our state dict's ``shapes``: an entry without a mapping, a
         Hugging Face tensor missing, unclaimed, claimed twice or of another shape.
@@ -573,18 +577,18 @@ class MappedAdapter:
 
     mapping: HFMapping
 
-    def __init__(self, config: Any, hf_assets_path: str | None = None) -> None:
+    def __init__(self, config: ModelConfig, hf_assets_path: str | None = None) -> None:
         self.config = config
         self.hf_assets_path = hf_assets_path
 
-    def to_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def to_torchtitan(self, state_dict: StateDict) -> StateDict:
         return {k: v for k, v in state_dict.items() if not self.mapping.is_skipped(k)}
 
-    def from_torchtitan(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def from_torchtitan(self, state_dict: StateDict) -> StateDict:
         return self.to_torchtitan(state_dict)
 
-    def to_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def to_hf(self, state_dict: StateDict) -> StateDict:
         return self.mapping.to_hf(state_dict, self.config)
 
-    def from_hf(self, hf_state_dict: dict[str, Any]) -> dict[str, Any]:
+    def from_hf(self, hf_state_dict: StateDict) -> StateDict:
         return self.mapping.from_hf(hf_state_dict, self.config)
