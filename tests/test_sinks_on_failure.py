@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -58,7 +59,16 @@ def test_wandb_offline_run_of_a_crashed_training_keeps_history_and_exit_code(tmp
     sink.titan_on_train_error(step=2, error="RuntimeError: boom", rank=0)
 
     (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _wandb_records(run_file)
+    # wandb's service process writes the log; under load it can lag finish() by a moment
+    # (seen once in a loaded suite run: the file still empty). Wait for its exit record.
+    def read() -> list:
+        return _wandb_records(run_file) if run_file.stat().st_size >= 7 else []
+
+    deadline = time.monotonic() + 30
+    records = read()
+    while not any(r.WhichOneof("record_type") == "exit" for r in records) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        records = read()
     kinds = [r.WhichOneof("record_type") for r in records]
     exits = [r.exit for r in records if r.WhichOneof("record_type") == "exit"]
     assert kinds.count("history") == 2

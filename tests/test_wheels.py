@@ -1,7 +1,7 @@
 """The built wheels carry what a run needs: the Hydra tree, the shipped corpus and
 tokenizer, the scaffold templates, and each plugin's ``conf/`` and entry point.
 
-The core and the three first-party plugins are built into wheels, unpacked into a
+The core and every first-party plugin (titan-hf too) are built into wheels, unpacked into a
 directory (a pure-Python wheel unpacked is an installed tree, ``.dist-info``
 included) and used from a fresh interpreter that sees nothing of this checkout:
 no site-packages, only the unpacked wheels and the non-torch libraries that
@@ -102,7 +102,7 @@ def test_wheels_alone_list_and_compose_every_first_party_model(tmp_path: Path) -
         pytest.skip("needs the git checkout to list the projects' files")
     wheels = _build_wheels(tmp_path)
     assert {w.name.split("-")[0] for w in wheels} == {
-        "titan_plugins", "titan_deepseek_v3", "titan_llama3", "titan_llama4", "titan_qwen3"
+        "titan_plugins", "titan_deepseek_v3", "titan_llama3", "titan_llama4", "titan_qwen3", "titan_hf"
     }
     site = tmp_path / "site"
     for wheel in wheels:
@@ -117,11 +117,13 @@ def test_wheels_alone_list_and_compose_every_first_party_model(tmp_path: Path) -
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["core"].startswith(str(site))
-    assert out["models"] == ["deepseek_v3", "llama3", "llama4", "qwen3"]
+    # titan-hf lists and composes without transformers (it loads only when model=hf runs).
+    assert out["models"] == ["deepseek_v3", "hf", "llama3", "llama4", "qwen3"]
     assert set(out["plugin_files"]) == {f"{p}.plugin" for p in PROJECTS if p != "titan_plugins"}
     assert all(path.startswith(str(site)) for path in out["plugin_files"].values()), out["plugin_files"]
     assert {"parallelism", "precision", "training", "data", "checkpoint", "metrics"} <= set(out["groups"])
-    assert out["composed"] == {name: ["debugmodel", 4, 2, 2] for name in out["models"]}
+    assert out["composed"] == {name: ["folder" if name == "hf" else "debugmodel", 4, 2, 2]
+                               for name in out["models"]}
     assert out["vocab"] == 2048
     assert {"corpus.jsonl", "tokenizer.json"} <= set(out["assets"])
     assert out["templates"] > 0
