@@ -59,16 +59,10 @@ def write_base(folder: Path, layers: int) -> None:
 
 
 def _ours(args, method: str, fused: bool):
-    import torch
-
-    from titan_plugins.config.hydra_glue import model_config
-    from titan_plugins.hf.load import load_hf_weights
-    from titan_plugins.peft.lora import init_adapters
-    from titan_plugins.peft.qlora import quantize_base
     from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.testing.model_parts import one_process_model
     from titan_plugins.train.api import prepare_job
     from titan_plugins.train.fused_loss import defer_head
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model
     from titan_plugins.train.loss import token_loss_sum
     from titan_plugins.train.optimizer import build_optimizer
 
@@ -77,16 +71,7 @@ def _ours(args, method: str, fused: bool):
                                         f"peft.rank={args.rank}", f"peft.alpha={2.0 * args.rank}"]
     spec, job, _ = prepare_job(["model=qwen3", f"model.hf={args.base}", "model.attn_backend=sdpa",
                                 "data.name=synthetic", f"training.seq_len={args.seq}", *peft], pm)
-    model = build_meta_model(spec, job)
-    apply_peft(model, spec, job)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
-    init_adapters(model, 0)
-    if method == "qlora":
-        quantize_base(model)  # model.hf below then quantizes each tensor as it reads it
-    load_hf_weights([model], spec, model_config(job.model, spec), args.base, verbose=False)
+    model = one_process_model(spec, job, args.base, quantize=method == "qlora")
     if fused:
         defer_head(model, spec.pipeline.last_stage_modules[-1], chunk_size=args.chunk, vocab_parallel=False)
     opt = build_optimizer(model, job.training)

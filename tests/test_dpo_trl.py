@@ -25,14 +25,13 @@ peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
-from titan_plugins.hf.load import load_hf_weights  # noqa: E402
 from titan_plugins.objectives.dpo import DPOObjective, sequence_logps  # noqa: E402
 from titan_plugins.objectives.reference import adapters_off  # noqa: E402
-from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
+from titan_plugins.peft.lora import adapter_modules  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 from titan_plugins.train.data.chat_source import ASSETS, CHAT_TOKENIZER  # noqa: E402
-from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
 from titan_plugins.train.loss import IGNORE_INDEX  # noqa: E402
 
 SHAPE = dict(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -77,15 +76,7 @@ def _ours(model: str, folder, *, lora: bool):
     extra = ["peft=lora", f"peft.target_modules=[{','.join(OURS)}]", "peft.dropout=0.0"] if lora else []
     spec, job, _ = prepare_job([f"model={model}", f"model.hf={folder}", "model.attn_backend=sdpa",
                                 "data.name=synthetic", "data.vocab_size=2048", "training.seq_len=128", *extra], pm)
-    net = build_meta_model(spec, job)
-    apply_peft(net, spec, job)
-    net.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        net.init_weights()
-    init_adapters(net, 0)
-    load_hf_weights([net], spec, model_config(job.model, spec), folder)
-    return net.train()
+    return one_process_model(spec, job, folder).train()
 
 
 def _trained_adapters(ours, theirs, model: str, folder):

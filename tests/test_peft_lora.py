@@ -17,9 +17,9 @@ peft = pytest.importorskip("peft")
 
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
-from titan_plugins.hf.load import load_hf_weights  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
 
@@ -66,15 +66,7 @@ def _ours(base, *extra, lora=True):
     pm = get_plugin_manager()
     peft_args = ["peft=lora", f"peft.target_modules=[{','.join(OURS)}]"] if lora else []
     spec, job, _ = prepare_job(_overrides(base, *peft_args, *extra), pm)
-    model = build_meta_model(spec, job)
-    apply_peft(model, spec, job)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
-    init_adapters(model, 0)
-    load_hf_weights([model], spec, model_config(job.model, spec), base)
-    return spec, job, model.eval()
+    return spec, job, one_process_model(spec, job, base).eval()
 
 
 def test_step0_is_the_base_model_bit_for_bit_and_counts_match_peft(base):

@@ -14,11 +14,11 @@ transformers = pytest.importorskip("transformers")
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
 from titan_plugins.hf.load import load_hf_weights  # noqa: E402
-from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
+from titan_plugins.peft.lora import adapter_modules  # noqa: E402
 from titan_plugins.peft.qlora import QLoRALinear, dequantized  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
-from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
 from titan_plugins.train.loss import token_loss_sum  # noqa: E402
 
 DENSE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -46,20 +46,11 @@ def _args(base, method, *extra):
 
 def _model(base, method, *extra):
     """One process, as a run builds it: meta, adapters, to_empty, init, quantize, model.hf."""
-    from titan_plugins.peft.qlora import quantize_base
-
     pm = get_plugin_manager()
     spec, job, _ = prepare_job(_args(base, method, *extra), pm)
-    model = build_meta_model(spec, job)
-    apply_peft(model, spec, job)
-    model.to_empty(device="cpu")
-    torch.manual_seed(0)
-    with torch.no_grad():
-        model.init_weights()
-    init_adapters(model, 0)
-    if method == "qlora":
-        assert quantize_base(model) == len(list(adapter_modules(model)))
-    load_hf_weights([model], spec, model_config(job.model, spec), base, verbose=False)
+    model = one_process_model(spec, job, base, quantize=method == "qlora")
+    if method == "qlora":  # every adapted base weight is stored in NF4
+        assert all(type(m.weight).__name__ == "NF4Tensor" for _, m in adapter_modules(model))
     gen = torch.Generator().manual_seed(3)  # as if trained a little: B non-zero, A and B get gradients
     with torch.no_grad():
         for _, module in adapter_modules(model):

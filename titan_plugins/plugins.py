@@ -474,13 +474,14 @@ def _dist_name_version(dist: Any) -> tuple[str, str]:
     return (name or "<unknown>"), (dist.version or "-")
 
 
-def iter_entry_points() -> Iterator[tuple[Any, Any]]:
-    """``(entry_point, distribution)`` for every ``titan_plugins`` entry point,
-    walking the installed distributions (so each one is attributed to its dist)."""
+def iter_entry_points(group: str = ENTRY_POINT_GROUP) -> Iterator[tuple[Any, Any]]:
+    """``(entry_point, distribution)`` for every entry point of ``group`` (model plugins by
+    default; objectives use their own group), walking the installed distributions so that
+    each one is attributed to its dist."""
     seen: set[tuple[str, str]] = set()
     for dist in metadata.distributions():
         try:
-            eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
+            eps = [ep for ep in dist.entry_points if ep.group == group]
         except Exception:  # a distribution with broken metadata: not ours to report
             continue
         for ep in eps:

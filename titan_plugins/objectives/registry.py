@@ -9,7 +9,6 @@ both. A run is strict (any failure stops it before launch); listing is lenient.
 
 from __future__ import annotations
 
-import importlib.metadata as metadata
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,17 +74,12 @@ class ObjectiveRegistry:
 
 
 def _entry_points() -> Iterator[tuple[Any, str]]:
-    seen: set[tuple[str, str]] = set()
-    for dist in metadata.distributions():
-        try:
-            eps = [ep for ep in dist.entry_points if ep.group == ENTRY_POINT_GROUP]
-        except Exception:  # a distribution with broken metadata: not ours to report
-            continue
-        name = (dist.metadata["Name"] if dist.metadata is not None else None) or "<unknown>"
-        for ep in eps:
-            if (ep.name, ep.value) not in seen:
-                seen.add((ep.name, ep.value))
-                yield ep, f"{name}=={dist.version}"
+    """``(entry_point, "dist==version")`` for every installed objective."""
+    from titan_plugins.plugins import _dist_name_version, iter_entry_points
+
+    for ep, dist in iter_entry_points(ENTRY_POINT_GROUP):
+        name, version = _dist_name_version(dist)
+        yield ep, f"{name}=={version}"
 
 
 def discover(entry_points: Iterable[tuple[Any, str]] | None = None) -> ObjectiveRegistry:

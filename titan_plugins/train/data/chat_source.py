@@ -46,6 +46,7 @@ from titan_plugins.train.data.units import (
     decode_line,
     open_hf,
     plan_units,
+    record_file_kind,
     source_files,
     unit_lines,
 )
@@ -59,27 +60,7 @@ STATS = ("conversations", "truncated", "dropped", "no_assistant", "no_target")
 
 def chat_kind(path: str | None) -> str:
     """``hf`` for a ``save_to_disk`` folder, else ``parquet`` or ``jsonl`` by the files."""
-    if not path:
-        raise ConfigError("data.name=chat needs data.path (a .jsonl/.parquet file, a folder of "
-                          "them, or a Hugging Face save_to_disk folder)")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"data.path={path!r} does not exist")
-    if p.is_dir():
-        if any((p / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
-            return "hf"
-        if any(p.rglob("*.jsonl")):
-            return "jsonl"
-        if any(p.rglob("*.parquet")):
-            return "parquet"
-        raise ConfigError(f"data.path={path!r} holds no .jsonl or .parquet files and is no "
-                          "Hugging Face save_to_disk folder")
-    if p.suffix == ".parquet":
-        return "parquet"
-    if p.suffix in (".jsonl", ".json"):
-        return "jsonl"
-    raise ConfigError(f"data.path={path!r}: data.name=chat reads .jsonl, .parquet or a "
-                      "save_to_disk folder")
+    return record_file_kind(path, "chat")
 
 
 def _chat_settings(data_config: Any) -> dict[str, Any]:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.train.data.units import record_file_kind
 from titan_plugins.train.loss import IGNORE_INDEX
 
 __all__ = ["PreferenceDataset", "PreferenceSettings", "build_preference", "check_preference", "encode_pair",
@@ -86,26 +87,7 @@ class PreferenceSettings:
 
 # ------------------------------------------------------------------ reading
 def _kind(path: str | None) -> str:
-    if not path:
-        raise ConfigError("data.name=preference needs data.path (a .jsonl/.parquet file, a folder of them, "
-                          "or a Hugging Face save_to_disk folder)")
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise ConfigError(f"data.path={path!r} does not exist")
-    if p.is_dir():
-        if any((p / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
-            return "hf"
-        if any(p.rglob("*.jsonl")):
-            return "jsonl"
-        if any(p.rglob("*.parquet")):
-            return "parquet"
-        raise ConfigError(f"data.path={path!r} holds no .jsonl or .parquet files and is no Hugging Face "
-                          "save_to_disk folder")
-    if p.suffix == ".parquet":
-        return "parquet"
-    if p.suffix in (".jsonl", ".json"):
-        return "jsonl"
-    raise ConfigError(f"data.path={path!r}: data.name=preference reads .jsonl, .parquet or a save_to_disk folder")
+    return record_file_kind(path, "preference")
 
 
 def read_pairs(path: str, split: str = "train") -> list[tuple[Mapping, str]]:

@@ -30,6 +30,7 @@ from titan_plugins.train.data.tokenizer import ASSETS, Tokenizer
 
 # find_files lived here before; the tokenizer trainer and users import it from here
 from titan_plugins.train.data.units import find_files as find_files
+from titan_plugins.train.data.units import import_datasets, open_hf
 
 CORPUS = ASSETS / "corpus.jsonl"
 CORPUS_TOKENS = ASSETS / "corpus_tokens.npz"  # the corpus encoded with the shipped tokenizer
@@ -151,38 +152,10 @@ def hf_documents(
         raise ConfigError(
             f"data.path={path!r} does not exist (data.name=hf reads local paths only)"
         )
-    os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when `datasets` is first imported
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError(
-            f"data.name=hf needs the 'datasets' package to read data.path={path!r} "
-            "(pip install datasets)"
-        ) from None
+    import_datasets(path)  # a missing package is one line now, not when the cache misses
 
     def load() -> list[str]:
-        try:
-            if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
-                ds = datasets.load_from_disk(str(p))
-                if isinstance(ds, datasets.DatasetDict):
-                    if split not in ds:
-                        raise ConfigError(
-                            f"data.split={split!r} is not in {list(ds)} at data.path={path!r}"
-                        )
-                    ds = ds[split]
-            elif p.is_file():
-                suffix = p.suffix.lstrip(".")
-                builder = {"jsonl": "json", "txt": "text"}.get(suffix, suffix)
-                ds = datasets.load_dataset(builder, data_files=str(p), split=split)
-            else:
-                ds = datasets.load_dataset(str(p), split=split)
-        except ConfigError:
-            raise
-        except Exception as exc:  # datasets raises many types; the first line says enough
-            first = (str(exc).strip() or type(exc).__name__).splitlines()[0]
-            raise ConfigError(
-                f"data.path={path!r} could not be loaded by datasets: {first}"
-            ) from None
+        ds = open_hf(path, split)
         if text_field not in ds.column_names:
             raise ConfigError(
                 f"data.text_field={text_field!r} is not a column of {ds.column_names}"

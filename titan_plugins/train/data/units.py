@@ -54,7 +54,8 @@ def source_files(cfg: Any, kind: str) -> list[Path]:
     return find_files(cfg.path, SUFFIXES[kind], kind)
 
 
-def open_hf(path: str, split: str) -> Any:
+def import_datasets(path: str) -> Any:
+    """The ``datasets`` module, offline (never a download), or one line saying it is missing."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # read when `datasets` is first imported
     try:
         import datasets
@@ -63,6 +64,13 @@ def open_hf(path: str, split: str) -> Any:
             f"data.name=hf needs the 'datasets' package to read data.path={path!r} "
             "(pip install datasets)"
         ) from None
+    return datasets
+
+
+def open_hf(path: str, split: str) -> Any:
+    """A local Hugging Face dataset (a ``save_to_disk`` folder, a folder of data files, or one
+    data file) as a ``datasets.Dataset`` of ``split``; every failure is one line."""
+    datasets = import_datasets(path)
     p = Path(path).expanduser()
     try:
         if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists():
@@ -243,3 +251,27 @@ def cfg_get(cfg: Any, key: str, default: Any = None) -> Any:
     return default if value is None and default is not None else value
 
 
+def record_file_kind(path: str | None, source: str) -> str:
+    """How ``data.path`` of a record source (``data.name=source``: chat, preference) is read:
+    ``hf`` for a ``save_to_disk`` folder, else ``parquet`` or ``jsonl`` by the files."""
+    if not path:
+        raise ConfigError(f"data.name={source} needs data.path (a .jsonl/.parquet file, a folder of "
+                          "them, or a Hugging Face save_to_disk folder)")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"data.path={path!r} does not exist")
+    if p.is_dir():
+        if any((p / f).exists() for f in ("dataset_info.json", "dataset_dict.json", "state.json")):
+            return "hf"
+        if any(p.rglob("*.jsonl")):
+            return "jsonl"
+        if any(p.rglob("*.parquet")):
+            return "parquet"
+        raise ConfigError(f"data.path={path!r} holds no .jsonl or .parquet files and is no "
+                          "Hugging Face save_to_disk folder")
+    if p.suffix == ".parquet":
+        return "parquet"
+    if p.suffix in (".jsonl", ".json"):
+        return "jsonl"
+    raise ConfigError(f"data.path={path!r}: data.name={source} reads .jsonl, .parquet or a "
+                      "save_to_disk folder")
