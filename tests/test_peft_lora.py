@@ -19,7 +19,7 @@ from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
-from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
+from titan_plugins.testing.model_parts import adapter_grads, one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
 
@@ -105,10 +105,7 @@ def _loss_and_grads(model):
     logits = model(TOKENS[:, :-1])
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), TOKENS[:, 1:].flatten())
     loss.backward()
-    grads = {}
-    for name, module in adapter_modules(model):
-        grads[f"{name}.A"], grads[f"{name}.B"] = module.lora_A.weight.grad, module.lora_B.weight.grad
-    return loss.detach(), grads
+    return loss.detach(), adapter_grads(model)
 
 
 def _trained_like(model):

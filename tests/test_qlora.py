@@ -17,7 +17,7 @@ from titan_plugins.hf.load import load_hf_weights  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules  # noqa: E402
 from titan_plugins.peft.qlora import QLoRALinear, dequantized  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
-from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
+from titan_plugins.testing.model_parts import adapter_grads, one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 from titan_plugins.train.loss import token_loss_sum  # noqa: E402
 
@@ -61,10 +61,7 @@ def _model(base, method, *extra):
 def _loss_and_grads(model):
     loss = token_loss_sum(model(TOKENS[:, :-1]), TOKENS[:, 1:]) / TOKENS[:, 1:].numel()
     loss.backward()
-    grads = {}
-    for name, module in adapter_modules(model):
-        grads[f"{name}.A"], grads[f"{name}.B"] = module.lora_A.weight.grad, module.lora_B.weight.grad
-    return loss.detach(), grads
+    return loss.detach(), adapter_grads(model)
 
 
 def test_qlora_is_lora_over_the_dequantized_base(base):

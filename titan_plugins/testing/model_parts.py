@@ -191,6 +191,16 @@ def one_process_model(spec: Any, job: Any, hf_dir: str | None = None, *, seed: i
     return model
 
 
+def adapter_grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    """Every LoRA adapter's gradients after a backward, as ``{"<module>.A": ..., "<module>.B": ...}``."""
+    from titan_plugins.peft.lora import adapter_modules
+
+    grads: dict[str, torch.Tensor | None] = {}
+    for name, module in adapter_modules(model):
+        grads[f"{name}.A"], grads[f"{name}.B"] = module.lora_A.weight.grad, module.lora_B.weight.grad
+    return grads
+
+
 def run_stages(parts: list[nn.Module], x: torch.Tensor) -> torch.Tensor:
     """Pipeline stages one after another on these ranks; what crosses a stage boundary
     must be a plain tensor (as ``torch.distributed.pipelining`` sends it)."""
