@@ -11,6 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from titan_plugins import __version__
 from titan_plugins.errors import ConfigError
 from titan_plugins.objectives import ObjectiveSpec, build_objective, discover
 from titan_plugins.objectives.dpo import DPOObjective, pair_losses
@@ -112,3 +113,27 @@ def test_reference_free_losses_need_no_reference():
     assert DPOObjective(SimpleNamespace(loss_type="sigmoid")).needs_reference
     assert not DPOObjective(SimpleNamespace(loss_type="simpo")).needs_reference
     assert not DPOObjective(SimpleNamespace(loss_type="orpo")).needs_reference
+
+
+def test_titan_run_list_shows_the_objectives_and_a_broken_one(monkeypatch, capsys):
+    """``titan-run --list`` (and ``--list --json``): the core's objectives, an installed
+    one with its distribution, and a broken one as a load error (listing stays lenient)."""
+    import json
+
+    from titan_plugins.cli.run import main as run_main
+    from titan_plugins.objectives import registry
+
+    installed = [(_EP("mine", "pkg.mod:SPEC", SPEC), "my-dist==1.0"),
+                 (_EP("bad", "pkg.bad:SPEC", exc=ImportError("no module named pkg")), "bad-dist==2")]
+    monkeypatch.setattr(registry, "_entry_points", lambda: iter(installed))
+    assert run_main(["--list"]) == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("objectives (objective=NAME):"):].splitlines()
+    assert listed[1].split()[:3] == ["sft", f"titan-plugins=={__version__}", "[rows]"]
+    assert listed[2].split()[:3] == ["dpo", f"titan-plugins=={__version__}", "[pairs]"]
+    assert listed[3].split() == ["mine", "my-dist==1.0", "[rows]", "x"]
+    assert "objective 'bad' (pkg.bad:SPEC) from bad-dist==2 failed to load: ImportError" in out
+    assert run_main(["--list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [(o["name"], o["origin"], o["data"]) for o in data["objectives"]][2:] == [("mine", "my-dist==1.0", "rows")]
+    assert any("objective 'bad'" in e for e in data["errors"])

@@ -1,5 +1,5 @@
 """``titan-plugins new``: the generated plugin installs, lists, trains and passes
-its own tests.
+its own tests; ``titan-plugins new NAME --objective`` likewise for an objective package.
 
 The install goes into a temporary target directory (``pip install --target``),
 never into the project's environment; the commands run in subprocesses with
@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from titan_plugins import __version__
 from titan_plugins.cli.plugins_cmd import main as plugins_main
 from titan_plugins.cli.scaffold import names_for, scaffold
 from titan_plugins.errors import ConfigError
@@ -102,11 +103,12 @@ def test_new_refuses_a_non_empty_directory_and_taken_names(tmp_path, capsys):
     assert not (tmp_path / "y").exists()
 
 
-def test_generated_python_is_ruff_clean(tmp_path):
+@pytest.mark.parametrize("kind", ["model", "objective"])
+def test_generated_python_is_ruff_clean(tmp_path, kind):
     ruff = shutil.which("ruff", path=str(BIN)) or shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed")
-    root, _ = scaffold("mymodel", tmp_path / "gen")
+    root, _ = scaffold("mymodel", tmp_path / "gen", kind)
     proc = subprocess.run([ruff, "check", "--no-cache", "--isolated", "--select", "E,F,I,UP,B",
                            "--ignore", "E501,B905", "--line-length", "110", str(root)],
                           capture_output=True, text=True)
@@ -154,3 +156,104 @@ def test_generated_plugin_installs_lists_trains_and_passes_its_tests(tmp_path):
     )
     assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
     assert "failed" not in tests.stdout and " passed" in tests.stdout
+
+
+# ------------------------------------------------------------- --objective
+OBJECTIVE_FILES = ["README.md", "pyproject.toml", "tests/test_myloss.py", "titan_myloss/__init__.py",
+                   "titan_myloss/objective.py", "titan_myloss/py.typed"]
+
+
+def test_new_objective_writes_a_complete_package(tmp_path, capsys):
+    dest = tmp_path / "out"
+    assert plugins_main(["new", "myloss", "--objective", "--dir", str(dest)]) == 0
+    assert sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()) == OBJECTIVE_FILES
+    out = capsys.readouterr().out
+    assert "wrote 6 files" in out and "distribution titan-myloss-objective" in out
+    assert "titan-run model=qwen3 data=chat_sample objective.name=myloss" in out
+    pyproject = (dest / "pyproject.toml").read_text()
+    assert '[project.entry-points."titan_plugins.objectives"]\nmyloss = "titan_myloss:SPEC"' in pyproject
+    assert 'name = "titan-myloss-objective"' in pyproject
+    for path in dest.rglob("*"):
+        if path.is_file():
+            assert "{{" not in path.read_text(), f"unrendered placeholder in {path}"
+    assert "import torch" not in (dest / "titan_myloss/__init__.py").read_text()  # listing imports it
+
+
+def test_generated_objective_builds_trains_its_loss_and_refuses_a_bad_knob(tmp_path, monkeypatch):
+    """In process, without installing: its entry point (as pyproject declares it) is
+    discovered, builds the Objective, whose loss is the weighted token-mean NLL."""
+    import tomllib
+    from importlib.metadata import EntryPoint
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from titan_plugins.objectives import build_objective, discover
+    from titan_plugins.train.loss import IGNORE_INDEX
+
+    root, _ = scaffold("scafobj", tmp_path / "gen", "objective")
+    monkeypatch.syspath_prepend(str(root))
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["entry-points"]
+    (name, value), = declared["titan_plugins.objectives"].items()
+    reg = discover([(EntryPoint(name, value, "titan_plugins.objectives"), "titan-scafobj-objective==0.1.0")])
+    assert not reg.errors and reg.origins["scafobj"] == "titan-scafobj-objective==0.1.0"
+    objective = build_objective(OmegaConf.create({"name": "scafobj", "options": {"weight": 3.0}}), reg)
+    assert objective.describe() == "scafobj (weight 3)"
+    torch.manual_seed(0)
+    logits, labels = torch.randn(2, 5, 7), torch.randint(0, 7, (2, 5))
+    labels[1, :4] = IGNORE_INDEX
+    count = float(objective.count(labels))
+    loss, sums = objective.loss(logits, labels, scale=count)
+    keep = labels != IGNORE_INDEX
+    want = torch.nn.functional.cross_entropy(logits[keep], labels[keep])
+    assert count == 6.0
+    torch.testing.assert_close(loss, 3.0 * want)
+    torch.testing.assert_close(objective.metrics({k: float(v) for k, v in sums.items()}, count)["scafobj/nll"],
+                               want.item())
+    bad = build_objective(OmegaConf.create({"name": "scafobj", "options": {"weight": 0}}), reg)
+    with pytest.raises(ConfigError, match=r"^objective.options.weight=0: must be > 0 \(objective.name=scafobj\)$"):
+        bad.check(OmegaConf.create({}))
+
+
+def test_new_objective_refuses_a_taken_name(tmp_path, capsys):
+    assert plugins_main(["new", "dpo", "--objective", "--dir", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: objective 'dpo' is already provided by titan-plugins=={__version__}; "
+                   "choose another name"]
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # ~60 s; the fast tests above check its files, its entry point and its loss in process
+def test_generated_objective_installs_lists_trains_and_passes_its_tests(tmp_path):
+    root, _ = scaffold("scafloss", tmp_path / "titan-scafloss-objective", "objective")
+    site = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
+         "--target", str(site), str(root)],
+        check=True, capture_output=True, text=True, timeout=300,
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    listed = subprocess.run([BIN / "titan-plugins", "list", "--json"], capture_output=True, text=True,
+                            env=env, timeout=120, check=True)
+    objectives = {o["name"]: o for o in json.loads(listed.stdout)["objectives"]}
+    assert objectives["scafloss"]["origin"] == "titan-scafloss-objective==0.1.0"
+
+    run_dir = tmp_path / "run"
+    train = subprocess.run(
+        [BIN / "titan-run", "model=qwen3", "model.n_layers=1", "model.dim=32", "model.n_heads=2",
+         "model.n_kv_heads=1", "model.head_dim=16", "model.hidden_dim=64", "training.seq_len=32",
+         "training.steps=2", "data=chat_sample", "objective.name=scafloss", "+objective.options.weight=2.0",
+         "metrics.tensorboard=false", f"hydra.run.dir={run_dir}"],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )
+    assert train.returncode == 0, train.stdout[-2000:] + train.stderr[-2000:]
+    assert "scafloss (weight 2)" in train.stdout  # the header's objective line
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"step"' in line]
+    assert len(steps) == 2 and all(s["loss"] == pytest.approx(2.0 * s["scafloss/nll"]) for s in steps), steps
+
+    tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+                           capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert tests.returncode == 0, tests.stdout[-3000:] + tests.stderr[-2000:]
+    assert "4 passed" in tests.stdout, tests.stdout[-2000:]
