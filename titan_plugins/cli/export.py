@@ -8,7 +8,9 @@ run's tokenizer.json; ``transformers.AutoModelForCausalLM.from_pretrained(DIR)``
 loads it. ``--out`` must be a new or empty folder; ``--overwrite`` replaces an
 earlier titan-export of the same kind there and nothing else (a user's folder, the
 run directory, the current directory are never removed: ``titan_plugins.export.out_dir``).
-Exit code 0 on success, 2 on bad input.
+Exit code 0 on success, 2 on bad input, on another export writing the same folder or
+on a folder it cannot write (full, read-only: one line, the folder as it was), 1 on an
+OS error elsewhere (reading the checkpoint).
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     except TitanError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except OSError as exc:  # outside the writing of --out (out_dir turns those into a TitanError)
+        print(f"error: {exc.filename or args.path}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+        return 1
     print(f"wrote {out}")
     return 0
 
