@@ -57,6 +57,19 @@ def _loss_and_grads(model, inputs, labels, fn):
     return out.detach(), grads
 
 
+def _assert_within_scale(got: torch.Tensor, want: torch.Tensor, key: str) -> None:
+    """Within 1e-6 of the gradient's own scale (its largest entry), with 2x headroom.
+
+    Chunking reorders two fp32 sums: the head's weight gradient is accumulated chunk by
+    chunk over positions, and the hidden state's gradient comes from a matmul of another
+    row count (another kernel blocking). A tied embedding (Qwen3's debug flavor) carries
+    both into one tensor: measured 4-7e-6 on entries up to 6.9 (~1e-6 of its scale, ~14
+    ulps), which an elementwise 1e-6 cannot hold however the threads are set."""
+    scale = want.abs().max().item()
+    err = (got - want).abs().max().item()
+    assert err <= 2e-6 * max(scale, 1.0), f"{key}: max |diff| {err:.3g} at scale {scale:.3g}"
+
+
 @pytest.mark.parametrize("name", list(TINY))
 def test_fused_equals_whole_logits_on_every_plugin(name):
     spec, model = _model(name)
@@ -74,7 +87,7 @@ def test_fused_equals_whole_logits_on_every_plugin(name):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert sorted(got_g) == sorted(want_g)
         for key in want_g:
-            torch.testing.assert_close(got_g[key], want_g[key], rtol=1e-6, atol=1e-6, msg=key)
+            _assert_within_scale(got_g[key], want_g[key], key)
         if fn is token_nll:
             assert (got[labels == IGNORE_INDEX] == 0).all()
 
