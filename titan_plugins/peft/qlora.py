@@ -19,7 +19,7 @@ QLoRA linears whole, from the gathered input, and hands the layout its plan expe
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,11 @@ from torch import nn
 from titan_plugins.errors import ConfigError
 from titan_plugins.peft.lora import LoRALinear, adapter_modules, apply_lora
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.peft.config import PeftConfig
+
 __all__ = ["QLoRALinear", "apply_qlora", "check_qlora", "dequantized", "qlora_enabled", "quantize_base",
            "round_trip_base"]
 
@@ -35,7 +40,7 @@ BLOCK_SIZE = 64  # weights per NF4 scale (QLoRA's and torchtune's)
 SCALER_BLOCK_SIZE = 256  # scales per int8 second-level scale (double quantization)
 
 
-def qlora_enabled(job: Any) -> bool:
+def qlora_enabled(job: DictConfig) -> bool:
     peft = job.get("peft") if hasattr(job, "get") else getattr(job, "peft", None)
     return peft is not None and str(getattr(peft.method, "value", peft.method)) == "qlora"
 
@@ -62,7 +67,7 @@ def _nf4():
     return NF4Tensor, linear_nf4, to_nf4
 
 
-def _is_nf4(t: Any) -> bool:
+def _is_nf4(t: object) -> bool:
     return type(t).__name__ == "NF4Tensor"
 
 
@@ -96,7 +101,7 @@ def _base(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     return out
 
 
-def check_qlora(job: Any) -> None:
+def check_qlora(job: DictConfig) -> None:
     """What QLoRA cannot serve, in one line, before any rank starts."""
     par = job.parallelism
     for key in ("pp", "ep"):
@@ -107,7 +112,7 @@ def check_qlora(job: Any) -> None:
             )
 
 
-def apply_qlora(model: nn.Module, peft: Any, exclude: tuple[str, ...] = ()) -> list[str]:
+def apply_qlora(model: nn.Module, peft: PeftConfig, exclude: tuple[str, ...] = ()) -> list[str]:
     """``apply_lora``, then each adapted module's ``weight`` becomes a frozen buffer
     (works on meta); quantized later by :func:`quantize_base`."""
     names = apply_lora(model, peft, exclude)

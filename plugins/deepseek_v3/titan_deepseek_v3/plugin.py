@@ -2,7 +2,7 @@
 
 from titan_plugins.components.folder_spec import folder_hooks
 
-TITAN_PLUGINS_API = ">=1.0,<2"
+TITAN_PLUGINS_API = ">=1.1,<2"  # uses the shared decoder components (API 1.1)
 titan_register_models, titan_config_searchpath = folder_hooks(
     "deepseek_v3", "titan_deepseek_v3", config="DeepSeekV3Config", adapter="DeepSeekV3StateDictAdapter", moe=True,
     output="lm_head", stage_inputs=None,  # one causal mask: nothing to hand each stage

@@ -2,7 +2,7 @@
 
 from titan_plugins.components.folder_spec import folder_hooks
 
-TITAN_PLUGINS_API = ">=1.0,<2"
+TITAN_PLUGINS_API = ">=1.1,<2"  # uses the shared decoder components (API 1.1)
 titan_register_models, titan_config_searchpath = folder_hooks(
     "llama3", "titan_llama3", config="Llama3Config", adapter="Llama3StateDictAdapter", moe=False,
     description="Llama 3.1/3.2/3.3 (dense, GQA, llama3 RoPE scaling), TorchTitan 0.2.2 numerics",
