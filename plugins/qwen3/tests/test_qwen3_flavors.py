@@ -14,12 +14,12 @@ from titan_plugins.errors import ConfigError
 from titan_plugins.testing.model_parts import assert_imports_without_torch
 
 
-def _meta_counts(flavor: str) -> tuple[int, int]:
+def _meta_counts(flavor: str, **overrides) -> tuple[int, int]:
+    cfg = dataclasses.replace(FLAVORS[flavor], **overrides)
     with torch.device("meta"):
-        model = build(FLAVORS[flavor])
+        model = build(cfg)
     total = sum(p.numel() for p in model.parameters())  # unique: a tied weight once
     experts = sum(p.numel() for n, p in model.named_parameters() if ".moe.experts." in n)
-    cfg = FLAVORS[flavor]
     active = total - experts
     if cfg.moe_enabled:
         active += experts * cfg.moe.top_k // cfg.moe.num_experts
@@ -29,6 +29,19 @@ def _meta_counts(flavor: str) -> tuple[int, int]:
 @pytest.mark.parametrize("flavor", sorted(FLAVORS))
 def test_meta_build_matches_analytic_count(flavor):
     assert _meta_counts(flavor) == num_params(FLAVORS[flavor])
+
+
+def test_dense_layers_inside_an_moe_model():
+    """Hugging Face Qwen3-MoE's layer schedule: layer i is MoE unless it is in
+    mlp_only_layers or (i + 1) % decoder_sparse_step != 0; dense blocks are SwiGLU of hidden_dim."""
+    schedule = {"n_layers": 4, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    cfg = dataclasses.replace(FLAVORS["debugmodel_moe"], **schedule)
+    with torch.device("meta"):
+        model = build(cfg)
+    assert [i for i, block in model.layers.items() if block.moe_enabled] == ["1"]
+    assert model.layers["0"].feed_forward.w1.weight.shape == (cfg.hidden_dim, cfg.dim)
+    assert _meta_counts("debugmodel_moe", **schedule) == num_params(cfg)
+    assert flops(cfg, 64)[0] == num_params(cfg)[0]
 
 
 @pytest.mark.parametrize(
@@ -86,6 +99,12 @@ def _par(**kw):
          "model.n_kv_heads=2 is not divisible by parallelism.tp=4"),
         ("debugmodel_moe", {}, {"ep": 3, "dp_shard": 3}, "model.moe.num_experts=64 is not divisible by parallelism.ep=3"),
         ("debugmodel", {}, {"ep": 2}, "needs an MoE flavor"),
+        ("debugmodel_moe", {"n_layers": 2, "mlp_only_layers": [0, 1]}, {"ep": 2, "dp_shard": 2},
+         "parallelism.ep=2 needs MoE layers, but model.mlp_only_layers / model.decoder_sparse_step=1 leave none"),
+        ("debugmodel_moe", {"mlp_only_layers": [0], "hidden_dim": 3073}, {"tp": 2},
+         "model.hidden_dim=3073 is not divisible by parallelism.tp=2"),
+        ("debugmodel_moe", {"decoder_sparse_step": 0}, {}, "model.decoder_sparse_step=0 must be >= 1"),
+        ("debugmodel_moe", {"mlp_only_layers": [-1]}, {}, "model.mlp_only_layers holds layer -1; layer indices are >= 0"),
         ("debugmodel", {}, {"pp": 2}, "model.enable_weight_tying=true cannot run with parallelism.pp=2"),
         ("debugmodel_moe", {"n_layers": 3}, {"pp": 4}, "model.n_layers=3 is fewer than the 4 pipeline stages"),
     ],

@@ -47,14 +47,27 @@ class Qwen3Config:
     attn_mask: AttentionMask = AttentionMask.causal
     eos_id: int = 151645  # block_causal separator; at launch the tokenizer's EOS id unless set
 
-    # MoE: every layer is an MoE block when enabled (Qwen3-MoE has no dense layers).
+    # MoE: with moe_enabled, layer i is an MoE block unless it is in mlp_only_layers or
+    # (i + 1) % decoder_sparse_step != 0 (Hugging Face Qwen3-MoE's schedule, same names);
+    # those layers are dense SwiGLU blocks of hidden_dim. The released models and the
+    # flavors use step 1 and no dense layers: every block is MoE.
     moe_enabled: bool = False
     moe_inter_dim: int = 768  # per-expert hidden size
     moe: MoEConfig = field(default_factory=MoEConfig)
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     @property
     def kv_group(self) -> int:
         return self.n_heads // self.n_kv_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (self.moe_enabled and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def n_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.n_layers))
 
     def check(self) -> None:
         """Model-only consistency; raises ConfigError naming the numbers."""
@@ -67,6 +80,12 @@ class Qwen3Config:
             )
         if self.head_dim % 2:
             raise ConfigError(f"model.head_dim={self.head_dim} must be even for RoPE")
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"model.decoder_sparse_step={self.decoder_sparse_step} must be >= 1")
+        # indices past n_layers name no layer, as in transformers (a partial load keeps the folder's list)
+        bad = [i for i in self.mlp_only_layers if i < 0]
+        if bad:
+            raise ConfigError(f"model.mlp_only_layers holds layer {bad[0]}; layer indices are >= 0")
         if self.moe_enabled:
             self.moe.validate(key="model.moe")
 
@@ -132,16 +151,17 @@ def num_params(config: Qwen3Config) -> tuple[int, int]:
     d, hd = c.dim, c.head_dim
     attn = 2 * d * c.n_heads * hd + 2 * d * c.n_kv_heads * hd + (2 * hd if c.qk_norm else 0)
     per_layer = attn + 2 * d  # + attention_norm, ffn_norm
-    if c.moe_enabled:
+    n_moe = c.n_moe_layers
+    dense = (c.n_layers - n_moe) * (per_layer + 3 * d * c.hidden_dim)
+    moe_total = moe_active = 0
+    if n_moe:
         e, k, s = c.moe.num_experts, c.moe.top_k, c.moe.num_shared_experts
         router, shared, routed = d * e, 3 * d * c.moe_inter_dim * s, 3 * d * c.moe_inter_dim * e
-        layer_total = per_layer + router + shared + routed
-        layer_active = per_layer + router + shared + routed * k // e
-    else:
-        layer_total = layer_active = per_layer + 3 * d * c.hidden_dim
+        moe_total = n_moe * (per_layer + router + shared + routed)
+        moe_active = n_moe * (per_layer + router + shared + routed * k // e)
     embeddings = c.vocab_size * d * (1 if c.enable_weight_tying else 2)
     base = embeddings + d  # + final norm
-    return base + c.n_layers * layer_total, base + c.n_layers * layer_active
+    return base + dense + moe_total, base + dense + moe_active
 
 
 def flops(config: Qwen3Config, seq_len: int) -> tuple[int, int]:
@@ -161,11 +181,12 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
     c = config
     c.check()
     tp, ep, etp = (int(checks.degree(parallelism, k)) for k in ("tp", "ep", "etp"))
+    n_moe = c.n_moe_layers
     if tp > 1:
         checks.check_divisible(((key, getattr(c, key)) for key in ("n_heads", "n_kv_heads", "vocab_size")), tp)
-        if not c.moe_enabled:
+        if n_moe < c.n_layers:  # dense blocks shard hidden_dim
             checks.check_divisible((("hidden_dim", c.hidden_dim),), tp)
-    expert_tp = (etp if ep > 1 else tp) if c.moe_enabled else 1
+    expert_tp = (etp if ep > 1 else tp) if n_moe else 1
     if expert_tp > 1 and c.moe_inter_dim % expert_tp:
         key = "etp" if ep > 1 else "tp"
         raise ConfigError(
@@ -174,6 +195,9 @@ def validate(config: Qwen3Config, parallelism: Any) -> None:
     if ep > 1:
         if not c.moe_enabled:
             raise ConfigError(f"parallelism.ep={ep} needs an MoE flavor, but model.moe_enabled=false")
+        if not n_moe:
+            raise ConfigError(f"parallelism.ep={ep} needs MoE layers, but model.mlp_only_layers / "
+                              f"model.decoder_sparse_step={c.decoder_sparse_step} leave none")
         if c.moe.num_experts % ep:
             raise ConfigError(
                 f"model.moe.num_experts={c.moe.num_experts} is not divisible by parallelism.ep={ep}"

@@ -34,11 +34,23 @@ MAP = HFConfigMap(
     no_effect={"max_window_layers", "sliding_window",
                "router_aux_loss_coef"},  # HF adds this loss only with output_router_logits (checked false)
 )
+
+
+def _layer_list(value: Any) -> list[int]:
+    if not isinstance(value, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in value):
+        raise MAP.bad("mlp_only_layers", value, "must be a list of layer indices")
+    return sorted(value)
+
+
+# The layer schedule (decoder_sparse_step, mlp_only_layers: which blocks are dense) maps
+# to the same-named model fields; norm_topk_prob=false is route_norm=false (the top-k
+# softmax scores are used as they are, as transformers does).
 MOE_MAP = HFConfigMap(
     "qwen3",
     fields=[Field("moe_intermediate_size", "moe_inter_dim"), Field("num_experts", "moe.num_experts"),
-            Field("num_experts_per_tok", "moe.top_k"), Field("norm_topk_prob", "moe.route_norm", bool)],
-    fixed={"decoder_sparse_step": 1, "mlp_only_layers": []},
+            Field("num_experts_per_tok", "moe.top_k"), Field("norm_topk_prob", "moe.route_norm", bool),
+            Field("decoder_sparse_step", "decoder_sparse_step"),
+            Field("mlp_only_layers", "mlp_only_layers", _layer_list)],
 )
 
 # Training settings no config.json field carries (Qwen3-MoE's router has no bias): a model
@@ -90,6 +102,11 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if moe:
         moe_out, moe_used = MOE_MAP.read({"num_experts": hf.get("num_local_experts"), **hf})
         used |= moe_used | {"num_local_experts"}
+        if moe_out.get("decoder_sparse_step", 1) < 1:  # transformers would divide by it
+            raise _bad("decoder_sparse_step", moe_out["decoder_sparse_step"], "must be >= 1")
+        for key in ("decoder_sparse_step", "mlp_only_layers"):
+            if key in moe_out:
+                out[key] = moe_out[key]
         # Qwen3-MoE routing in our MoE's terms. Its router has no bias, so none trains
         # (load balancing would add one that the export cannot carry).
         out["moe"] = {

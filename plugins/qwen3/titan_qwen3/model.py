@@ -42,11 +42,12 @@ class Attention(GQAttention):
 
 
 def _block(layer_id: int, c: Qwen3Config) -> DecoderBlock:
-    # Built in TorchTitan's order (attention, then the FFN). Qwen3-MoE has no dense
-    # layers: every block is MoE when enabled.
+    # Built in TorchTitan's order (attention, then the FFN). With MoE enabled a block is
+    # MoE unless the layer schedule makes it dense (Qwen3Config.is_moe_layer).
     attention = Attention(c)
-    ffn = MoE(c.moe, dim=c.dim, hidden_dim=c.moe_inter_dim) if c.moe_enabled else FeedForward(c.dim, c.hidden_dim)
-    return DecoderBlock(attention, ffn, moe=c.moe_enabled, dim=c.dim, norm_eps=c.norm_eps,
+    moe = c.is_moe_layer(layer_id)
+    ffn = MoE(c.moe, dim=c.dim, hidden_dim=c.moe_inter_dim) if moe else FeedForward(c.dim, c.hidden_dim)
+    return DecoderBlock(attention, ffn, moe=moe, dim=c.dim, norm_eps=c.norm_eps,
                         weight_init_std=depth_scaled_std(layer_id, c.n_layers, c.depth_init))
 
 
