@@ -31,13 +31,14 @@ from pathlib import Path
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["LOCK_FILE", "OWNER_ENV", "check_writable", "child_env", "claim", "forget_claims", "hold", "owned",
-           "register_resolver", "release", "take"]
+__all__ = ["LOCK_FILE", "OWNER_ENV", "check_writable", "child_env", "claim", "forget_claims", "hold", "job_dirname",
+           "owned", "register_resolver", "release", "take"]
 
 LOCK_FILE = ".titan.lock"
 OWNER_ENV = "TITAN_RUN_DIR_OWNER"  # "<run dir>": the parent process holds this directory's lock
 _CLAIMS: dict[str, str] = {}
 _HELD: dict[str, int] = {}  # resolved run dir -> the fd holding its lock
+_NAME_BYTES = 240  # a sweep job's directory name: NAME_MAX (255) less the "<job number>_" before it
 
 
 def claim(base: str) -> str:
@@ -63,6 +64,16 @@ def claim(base: str) -> str:
     raise ConfigError(f"hydra.run.dir={base}: 10000 directories of that name exist already")
 
 
+def job_dirname(overrides: str) -> str:
+    """``${titan_job_dirname:${hydra.job.override_dirname}}`` (a sweep job's directory,
+    ``conf/train.yaml``): one path component. A path in an override (``model.hf=DIR``,
+    ``data.path=FILE``) would nest the job's directory under the sweep's, where the summary
+    does not look, so ``/`` becomes ``_``; the name is cut to fit the file system's
+    255-byte limit (the job number before it keeps it unique)."""
+    name = str(overrides).replace(os.sep, "_")
+    return name.encode()[:_NAME_BYTES].decode(errors="ignore")
+
+
 def forget_claims() -> None:
     """A new ``titan-run`` in this process claims new directories (and releases the old)."""
     _CLAIMS.clear()
@@ -74,11 +85,14 @@ def register_resolver() -> None:
     """``${titan_claim:BASE}``. Cached in the config (``use_cache``), and OmegaConf copies
     that cache into every job's config (``load_sweep_config``), so a job that resolves the
     sweep directory in another process (hydra-submitit-launcher's Slurm jobs) gets the
-    directory the launching process claimed instead of claiming a new one."""
+    directory the launching process claimed instead of claiming a new one. Also
+    ``${titan_job_dirname:...}`` (:func:`job_dirname`)."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("titan_claim"):
         OmegaConf.register_new_resolver("titan_claim", claim, use_cache=True)
+    if not OmegaConf.has_resolver("titan_job_dirname"):
+        OmegaConf.register_new_resolver("titan_job_dirname", job_dirname)
 
 
 def _lock(path: Path, what: str, key: str) -> int:
