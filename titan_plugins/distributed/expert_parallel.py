@@ -48,9 +48,11 @@ Gradients: parameters replicated on ``tp`` while their inputs are sequence shard
 (router gate and shared experts in EP, ETP=1) get their gradient all-reduced over
 ``tp`` in backward; expert weights are DTensors whose local shards receive complete
 gradients for their experts (FSDP on ``expert_fsdp`` then reduces across data
-parallel). ``tokens_per_expert`` then differs across ``tp`` peers in EP, ETP=1;
-``build_load_balance_hooks`` reads ``moe.parallel.routes_sequence_shards`` to sum
-over ``tp`` as well.
+parallel). LoRA adapters of the experts are sharded like their weight (both halves
+``Shard(0)`` under EP; under TP experts the half that is whole over ``tp`` has its
+gradient summed there, ``GroupedExperts.low_rank``). ``tokens_per_expert`` then
+differs across ``tp`` peers in EP, ETP=1; ``build_load_balance_hooks`` reads
+``moe.parallel.routes_sequence_shards`` to sum over ``tp`` as well.
 """
 
 from __future__ import annotations
@@ -120,6 +122,26 @@ def _distribute(module: nn.Module, name: str, mesh: DeviceMesh, placements: list
         )
     dt = distribute_tensor(param.data, mesh, placements, src_data_rank=None)
     module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
+
+
+def _adapter_placements(base: list[Placement], half: str) -> list[Placement]:
+    """An expert weight's LoRA half laid out like the weight ``[E, out, in]``: ``A``
+    ``[E, r, in]`` follows the expert and input dims, ``B`` ``[E, out, r]`` the expert
+    and output dims; on a mesh dim where the weight is sharded on the other one it is
+    whole (``Replicate``; its partial gradient is summed by the experts' ``grad_sync``)."""
+    keep = {"lora_A": (0, 2), "lora_B": (0, 1)}[half]
+    return [p if isinstance(p, Shard) and p.dim in keep else Replicate() for p in base]
+
+
+def _distribute_adapters(experts: nn.Module) -> None:
+    """LoRA adapters of the experts (``GroupedExperts.adapters``) sharded with their
+    weight: under EP both halves ``Shard(0)``, so each rank holds its experts' adapters."""
+    pairs = experts.adapters() if hasattr(experts, "adapters") else {}
+    for name, pair in pairs.items():
+        base = getattr(experts, name)
+        for half in ("lora_A", "lora_B"):
+            placements = _adapter_placements(list(base.placements), half)
+            _distribute(getattr(pair, half), "weight", base.device_mesh, placements)
 
 
 class MoEParallel:
@@ -234,6 +256,7 @@ def apply_moe_parallel(
         _distribute(experts, "w1", tp_mesh, [Shard(1)])
         _distribute(experts, "w2", tp_mesh, [Shard(2)])
         _distribute(experts, "w3", tp_mesh, [Shard(1)])
+    _distribute_adapters(experts)
 
     if tp_mesh is not None:
         _distribute(router.gate, "weight", tp_mesh, [Replicate()])

@@ -6,6 +6,12 @@
     checkpoint.export_hf=true              both at the end of the run: <run_dir>/hf (merged)
                                            and <run_dir>/hf-adapter (PEFT)
 
+LoRA on grouped MoE experts merges per expert (``W[e] + alpha/rank * B[e] A[e]``); its
+adapter is written per expert where the Hugging Face folder keeps one linear per expert
+(peft converts it to transformers 5's fused experts). Where it does not (Llama 4's fused
+``gate_up_proj``) ``--adapter`` is refused in one line pointing to ``--merge``, and
+``checkpoint.export_hf=true`` writes the merged folder only, saying why in one line.
+
 The adapter folder's format is ``titan_plugins.peft.folder``'s (what
 ``peft.PeftModel.from_pretrained(base, DIR)`` reads); the merged folder is written by
 the same writer as a full export (``hf_folder.write_hf_folder``).
@@ -24,7 +30,7 @@ from titan_plugins.export.hf_folder import write_hf_folder
 from titan_plugins.export.out_dir import claim_out_dir, write_export
 from titan_plugins.export.source import find_checkpoint, read_dcp_model
 from titan_plugins.peft.checkpoint import adapter_shapes, checkpoint_filter
-from titan_plugins.peft.folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, to_peft
+from titan_plugins.peft.folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_expert_layout, to_peft
 from titan_plugins.peft.lora import is_adapter_key, lora_enabled, merge_into
 
 if TYPE_CHECKING:
@@ -162,7 +168,15 @@ def export_lora_live(spec: ModelSpec, config: object, job: DictConfig, state_dic
     merged = merge_into(state_dict, adapters, float(job.peft.alpha) / int(job.peft.rank))
     protect = {"the run directory": run_dir}
     written: list[Path] = []
+    try:  # adapted experts without a PEFT layout: the merged folder alone, and why
+        check_expert_layout(spec, config, adapter_shapes(spec, job), job.model.get("hf"))
+        no_adapter = None
+    except ConfigError as exc:
+        no_adapter = str(exc)
     for folder, kind in export_hf_folders(job, out):
+        if kind == "peft-adapter" and no_adapter is not None:
+            print(f"checkpoint.export_hf=true: no {folder}: {no_adapter}", flush=True)
+            continue
         target = claim_out_dir(folder, kind, overwrite=True, protect=protect, key="checkpoint.export_hf")
         if kind == "merged":
             written.append(write_export(target, kind, lambda tmp: write_hf_folder(tmp, spec, config, job, merged)))

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_plugins.peft.experts import GroupedLoRA
 from titan_plugins.peft.folder import Shapes, read_peft_adapter
 from titan_plugins.peft.lora import adapter_modules, is_adapter_key, lora_enabled, set_full
 
@@ -35,12 +36,14 @@ def checkpoint_filter(job: DictConfig) -> Callable[[str], bool] | None:
 
 
 def adapter_shapes(spec: ModelSpec, job: DictConfig) -> Shapes:
-    """Every adapted module of the run's model (built on meta): ``{name: (out, in)}``."""
+    """Every adapted module of the run's model (built on meta): ``{name: (out, in)}``,
+    grouped expert pairs ``{name: (experts, out, in)}``."""
     from titan_plugins.train.lifecycle import apply_peft, build_meta_model
 
     model = build_meta_model(spec, job)
     apply_peft(model, spec, job)
-    return {name: (m.out_features, m.in_features) for name, m in adapter_modules(model)}
+    return {name: m.shape if isinstance(m, GroupedLoRA) else (m.out_features, m.in_features)
+            for name, m in adapter_modules(model)}
 
 
 def load_adapter_folder(parts: list[torch.nn.Module], spec: ModelSpec, config: object, job: DictConfig) -> int:

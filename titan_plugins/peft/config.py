@@ -28,7 +28,8 @@ class PeftConfig:
 
     Patterns: a module's full name (``layers.0.attention.wq``), a suffix of it
     (``wq``, ``attention.wq``) or a glob over either (``layers.*.attention.w[qkv]``);
-    ``all-linear`` for every ``nn.Linear`` but the output projection.
+    ``all-linear`` for every ``nn.Linear`` but the output projection. Grouped MoE experts
+    only by name (``experts``, ``experts.w1``): one pair per expert (``peft/experts.py``).
     """
 
     method: PeftMethod = PeftMethod.none

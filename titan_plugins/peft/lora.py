@@ -10,8 +10,9 @@ load it unchanged. The adapters are two child modules with PEFT's names and shap
 
     y = base(x) + (alpha / rank) * B (A dropout(x))
 
-``B`` starts at zero, so step 0 is the base model bit for bit. The adapters stay
-fp32 whatever ``precision.weight_dtype`` gives the frozen base (their optimizer
+``B`` starts at zero, so step 0 is the base model bit for bit. Grouped MoE experts
+named by a pattern get per-expert pairs as grouped tensors (``peft/experts.py``). The
+adapters stay fp32 whatever ``precision.weight_dtype`` gives the frozen base (their optimizer
 state follows them); they compute in the activations' dtype, which is what
 ``precision.param_dtype`` / ``compute_dtype`` decide, as for every other weight.
 """
@@ -26,6 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from titan_plugins.errors import ConfigError
+from titan_plugins.peft.experts import (
+    GroupedLoRA,
+    add_expert_adapters,
+    expert_weight_key,
+    is_expert_weight,
+)
 from titan_plugins.peft.targets import canonical_name, match_targets
 
 __all__ = [
@@ -121,12 +129,22 @@ def _convert(module: nn.Linear, rank: int, alpha: float, dropout: float) -> None
 
 
 def apply_lora(model: nn.Module, peft: Any, exclude: tuple[str, ...] = ()) -> list[str]:
-    """Freeze ``model`` and give every ``nn.Linear`` that ``peft.target_modules``
-    names an adapter pair; returns their FQNs. Works on the meta device."""
+    """Freeze ``model`` and give every ``nn.Linear`` and grouped expert weight that
+    ``peft.target_modules`` names an adapter pair; returns their FQNs. Works on the
+    meta device."""
     names = match_targets(model, list(peft.target_modules), exclude)
     rank, alpha, dropout = int(peft.rank), float(peft.alpha), float(peft.dropout)
+    experts = [n for n in names if is_expert_weight(model, n)]
+    method = getattr(peft, "method", None)
+    if experts and str(getattr(method, "value", method)) == "qlora":
+        raise ConfigError(
+            f"peft.method=qlora: peft.target_modules names the grouped MoE expert weights "
+            f"{experts[0]}, which the 4-bit base does not hold (nn.Linear only); use peft=lora for them"
+        )
     for name in names:
-        _convert(model.get_submodule(name), rank, alpha, dropout)
+        if name not in experts:
+            _convert(model.get_submodule(name), rank, alpha, dropout)
+    add_expert_adapters(model, experts, rank, alpha, dropout)
     freeze_base(model)
     return names
 
@@ -140,10 +158,13 @@ def freeze_base(model: nn.Module) -> None:
         param.requires_grad_(id(param) in keep)
 
 
-def adapter_modules(model: nn.Module) -> Iterator[tuple[str, LoRAMixin]]:
-    """``(model FQN, module)`` of every adapted linear (wrapper names removed)."""
+def adapter_modules(model: nn.Module) -> Iterator[tuple[str, LoRAMixin | GroupedLoRA]]:
+    """``(model FQN, module)`` of every adapter pair (wrapper names removed): each
+    adapted linear, and each adapted expert weight's :class:`GroupedLoRA`
+    (``layers.0.moe.experts.lora.w1``). Both have ``lora_A.weight``, ``lora_B.weight``
+    and ``scaling``."""
     for name, module in model.named_modules():
-        if isinstance(module, LoRAMixin):
+        if isinstance(module, (LoRAMixin, GroupedLoRA)):
             yield canonical_name(name), module
 
 
@@ -165,11 +186,12 @@ def set_full(param: torch.Tensor, full: torch.Tensor) -> None:
 def init_adapters(model: nn.Module, seed: int) -> None:
     """``A`` as ``nn.Linear``'s default (PEFT's): uniform in ``+-1/sqrt(in)``, drawn
     per module from a generator seeded by ``seed`` and the module's name, so the
-    values do not depend on the parallel layout; ``B`` zero."""
+    values do not depend on the parallel layout; ``B`` zero. (Grouped pairs: the whole
+    ``[E, r, in]`` tensor from one generator.)"""
     for name, module in adapter_modules(model):
         a = module.lora_A.weight
         gen = torch.Generator().manual_seed(int(seed) * 1_000_003 + zlib.crc32(name.encode()))
-        bound = 1.0 / (a.shape[1] ** 0.5)
+        bound = 1.0 / (a.shape[-1] ** 0.5)
         full = torch.empty(tuple(a.shape), dtype=torch.float32).uniform_(-bound, bound, generator=gen)
         set_full(a, full)
         module.lora_B.weight.zero_()
@@ -184,17 +206,19 @@ def adapter_parameters(model: nn.Module) -> Iterator[torch.Tensor]:
 @torch.no_grad()
 def merge_into(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
     """Our full ``state_dict`` with every adapter folded into its base weight
-    (``W + scaling * B A`` in fp32, cast back) and no adapter keys left. A QLoRA base
-    weight (NF4, a live model's) is dequantized first: the merged model is what the
-    run trained, the base's quantization error included."""
+    (``W + scaling * B A`` in fp32, cast back; per expert for grouped pairs, ``B_e A_e``
+    into ``W[e]``) and no adapter keys left. A QLoRA base weight (NF4, a live model's)
+    is dequantized first: the merged model is what the run trained, the base's
+    quantization error included."""
     out = {k: v for k, v in state_dict.items() if not is_adapter_key(k)}
     for key in adapters:
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[: -len(".lora_A.weight")]
         a, b = adapters[key].float(), adapters[f"{module}.lora_B.weight"].float()
-        w = out[f"{module}.weight"]
+        base = expert_weight_key(module) if a.ndim == 3 else f"{module}.weight"
+        w = out[base]
         if hasattr(w, "get_original_weight"):  # a QLoRA base (NF4): dequantized, then merged
             w = w.get_original_weight()
-        out[f"{module}.weight"] = (w.float() + scaling * (b @ a)).to(w.dtype)
+        out[base] = (w.float() + scaling * (b @ a)).to(w.dtype)  # batched per expert when 3-D
     return out

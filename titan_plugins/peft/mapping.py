@@ -9,6 +9,14 @@ adapter pair maps as ``A_hf = A[:, cols]``, ``B_hf = B[rows]``, since
 ``B_hf A_hf = (B A)[rows][:, cols]``. A module that ``to_hf`` maps only together
 with others (fused on the Hugging Face side) has no adapter of its own there: it is
 refused in one line.
+
+A grouped expert weight ``W`` ``[E, out, in]`` is probed the same way with a third
+index (the expert): each Hugging Face tensor must be one expert's rows and columns
+(``mlp.experts.{e}.gate_proj.weight``, a linear per expert), whose adapter is then
+``A_hf = A[e][:, cols]``, ``B_hf = B[e][rows]``: the layout peft reads for per-expert
+linears (and converts to transformers 5's fused experts when it loads). A folder that
+keeps the experts fused (Llama 4's ``gate_up_proj``) has no such layout: refused in one
+line, pointing to ``--merge``.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import torch
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["HFTarget", "hf_targets", "state_dict_adapter"]
+__all__ = ["ExpertTarget", "HFTarget", "expert_hf_targets", "hf_targets", "state_dict_adapter"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +37,14 @@ class HFTarget:
     module: str  # the Hugging Face module name (``model.layers.0.self_attn.q_proj``)
     rows: torch.Tensor  # which of our output rows it holds (index into B's rows)
     cols: torch.Tensor  # which of our input columns (index into A's columns)
+
+
+@dataclass(frozen=True)
+class ExpertTarget:
+    module: str  # one expert's Hugging Face linear (``model.layers.0.mlp.experts.3.gate_proj``)
+    expert: int  # which expert of ours (index into A's and B's dim 0)
+    rows: torch.Tensor
+    cols: torch.Tensor
 
 
 def state_dict_adapter(spec: Any, config: Any, folder: str | None = None) -> Any:
@@ -76,4 +92,47 @@ def _fused(module: str, why: str) -> ConfigError:
     return ConfigError(
         f"peft.target_modules: {module} has no Hugging Face module of its own ({why}); "
         "a PEFT adapter cannot hold it: leave it out of the targets to export"
+    )
+
+
+def expert_hf_targets(adapter: Any, key: str, shape: tuple[int, int, int]) -> list[ExpertTarget]:
+    """The per-expert Hugging Face linears that hold our grouped expert weight ``key``
+    (``layers.0.moe.experts.w1``, ``[E, out, in]``), and how."""
+    n, out_f, in_f = shape
+
+    def probe(dim: int) -> torch.Tensor:  # index along one dim, a broadcast view (no copy)
+        view = [1, 1, 1]
+        view[dim] = shape[dim]
+        return torch.arange(shape[dim], dtype=torch.float64).view(view).expand(n, out_f, in_f)
+
+    try:
+        by_e, by_r, by_c = (adapter.to_hf({key: probe(d)}) for d in range(3))
+    except Exception as exc:  # noqa: BLE001 - fused with a partner on the Hugging Face side
+        raise _not_per_expert(key, f"to_hf fails on it alone: {exc}") from None
+    if not by_e or set(by_e) != set(by_r) or set(by_e) != set(by_c):
+        raise _not_per_expert(key, "to_hf names no Hugging Face tensor for it alone")
+    targets = []
+    first: tuple[torch.Tensor, torch.Tensor] | None = None
+    for name, e in by_e.items():
+        r, c = by_r[name], by_c[name]
+        if e.ndim != 2 or not name.endswith(".weight"):
+            raise _not_per_expert(key, f"it is {name} of shape {tuple(e.shape)}")
+        expert, rows, cols = e[0, 0], r[:, 0], c[0, :]
+        if first is None:  # the full check once (O(out * in)); every expert maps alike
+            ok = (torch.equal(e, expert.expand_as(e)) and torch.equal(r, rows[:, None].expand_as(r))
+                  and torch.equal(c, cols[None, :].expand_as(c)))
+            first = rows, cols
+        else:  # O(out + in) per further expert: a large model has thousands
+            ok = (e.shape == r.shape == c.shape and bool(e[-1, -1] == expert) and torch.equal(rows, first[0])
+                  and torch.equal(cols, first[1]))
+        if not ok:
+            raise _not_per_expert(key, f"{name} is not one expert's rows and columns")
+        targets.append(ExpertTarget(name[: -len(".weight")], int(expert), rows.long(), cols.long()))
+    return targets
+
+
+def _not_per_expert(key: str, why: str) -> ConfigError:
+    return ConfigError(
+        f"peft.target_modules: the grouped experts {key} have no per-expert linears in the Hugging Face "
+        f"folder ({why}), so a PEFT adapter has no layout for them: export with --merge"
     )

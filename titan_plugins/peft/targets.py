@@ -2,10 +2,12 @@
 
 A pattern matches a module's fully qualified name when it is the name, a dotted
 suffix of it (``wq`` matches ``layers.0.attention.wq``) or a glob over either
-(``layers.*.attention.w[qkv]``). Only ``nn.Linear`` modules (and subclasses) are
-adapted. A pattern that matches no ``nn.Linear`` is one error line naming a few that
-exist; one that reaches grouped MoE expert weights (3-D parameters, not
-``nn.Linear``) is refused in one line.
+(``layers.*.attention.w[qkv]``). ``nn.Linear`` modules (and subclasses) are adapted,
+and the grouped MoE expert weights of ``components.moe.GroupedExperts`` (``w1``/``w2``/
+``w3``, ``[E, out, in]``; ``peft/experts.py``) when a pattern names the weight
+(``experts.w1``) or its experts module (``experts``); ``all-linear`` leaves them out.
+A pattern that matches neither is one error line naming a few that exist; one that
+reaches other 3-D weights (a plugin's own expert module) is refused in one line.
 
 A module whose ancestor reads its ``weight`` instead of calling it (the MoE router's
 ``gate`` and the shared experts: ``F.linear(x, w)`` in the MoE forward) would never
@@ -22,8 +24,10 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
+from titan_plugins.components.moe.experts import GroupedExperts
 from titan_plugins.errors import ConfigError
 from titan_plugins.peft.config import ALL_LINEAR
+from titan_plugins.peft.experts import EXPERT_WEIGHTS
 
 __all__ = ["canonical_name", "match_targets", "matches"]
 
@@ -58,21 +62,23 @@ def _few(names: Iterable[str], limit: int = 8) -> str:
 
 
 def match_targets(model: nn.Module, patterns: Sequence[str], exclude: Sequence[str] = ()) -> list[str]:
-    """FQNs of the ``nn.Linear`` modules of ``model`` that ``patterns`` name, in
-    module order. ``exclude`` lists top-level modules ``all-linear`` leaves out
-    (those only on the first or last pipeline stage: the output projection)."""
+    """What ``patterns`` name in ``model``, in module order: FQNs of ``nn.Linear``
+    modules and of grouped expert weights (``layers.0.moe.experts.w1``). ``exclude``
+    lists top-level modules ``all-linear`` leaves out (those only on the first or last
+    pipeline stage: the output projection)."""
     patterns = [str(p) for p in patterns]
     if not patterns:
         raise ConfigError("peft.target_modules=[]: name at least one module pattern (or all-linear)")
     modules = [(canonical_name(n), m) for n, m in model.named_modules() if n and m is not None]
     linears = [n for n, m in modules if isinstance(m, nn.Linear)]
+    experts = [f"{n}.{w}" for n, m in modules if isinstance(m, GroupedExperts) for w in EXPERT_WEIGHTS]
     uncalled = _uncalled(model)
     chosen: set[str] = set()
     for pattern in patterns:
         if pattern == ALL_LINEAR:
             chosen |= {n for n in linears if n.split(".")[0] not in exclude and n not in uncalled}
             continue
-        _refuse_experts(model, pattern)
+        _refuse_other_grouped(model, pattern)
         hits = [n for n in linears if matches(n, pattern)]
         named = [n for n in hits if n in uncalled]
         if named:
@@ -81,16 +87,20 @@ def match_targets(model: nn.Module, patterns: Sequence[str], exclude: Sequence[s
                 f"{uncalled[named[0]]} reads without calling it, so an adapter there would never "
                 "train; leave it out (all-linear does)"
             )
+        hits += [n for n in experts if matches(n, pattern) or matches(n.rpartition(".")[0], pattern)]
         if not hits:
             others = [f"{n} ({type(m).__name__})" for n, m in modules if matches(n, pattern)]
             what = f"matches {others[0]}, not an nn.Linear" if others else "matches no module"
+            grouped = f"; grouped expert weights: {_few(experts)}" if experts else ""
             raise ConfigError(
-                f"peft.target_modules={pattern}: {what}; nn.Linear modules here: {_few(linears)}"
+                f"peft.target_modules={pattern}: {what}; nn.Linear modules here: {_few(linears)}{grouped}"
             )
         chosen.update(hits)
     if not chosen:
         raise ConfigError(f"peft.target_modules={list(patterns)}: the model has no nn.Linear to adapt")
-    return [n for n in linears if n in chosen]
+    order = [n for name, m in modules if isinstance(m, (nn.Linear, GroupedExperts))
+             for n in ([name] if isinstance(m, nn.Linear) else [f"{name}.{w}" for w in EXPERT_WEIGHTS])]
+    return [n for n in order if n in chosen]
 
 
 def _uncalled(model: nn.Module) -> dict[str, str]:
@@ -106,15 +116,18 @@ def _uncalled(model: nn.Module) -> dict[str, str]:
     return out
 
 
-def _refuse_experts(model: nn.Module, pattern: str) -> None:
-    """Grouped expert weights (``[experts, out, in]`` parameters of a non-Linear
-    module) are not ``nn.Linear``: a pattern naming them is refused, not skipped."""
-    for name, param in model.named_parameters():
-        name = canonical_name(name)
-        owner = name.rsplit(".", 1)[0]
-        if param.ndim >= 3 and (matches(name, pattern) or matches(owner, pattern)):
+def _refuse_other_grouped(model: nn.Module, pattern: str) -> None:
+    """3-D weights of a module that is not ``GroupedExperts`` (a plugin's own expert
+    layout, whose forward LoRA cannot reach): a pattern naming them is refused, not skipped."""
+    for raw, param in model.named_parameters():
+        if param.ndim < 3 or ".lora_" in raw:
+            continue
+        module = model.get_submodule(raw.rpartition(".")[0])
+        name = canonical_name(raw)
+        named = matches(name, pattern) or matches(name.rpartition(".")[0], pattern)
+        if named and not isinstance(module, GroupedExperts):
             raise ConfigError(
-                f"peft.target_modules={pattern}: names the grouped MoE expert weights {_shape_name(name)}, "
-                "which LoRA does not adapt (not nn.Linear); target the attention, shared-expert "
-                "or dense projections"
+                f"peft.target_modules={pattern}: names the grouped weights {_shape_name(name)} of "
+                f"{type(module).__name__}, which LoRA does not adapt (only nn.Linear and "
+                "titan_plugins.components.moe.GroupedExperts); leave them out"
             )

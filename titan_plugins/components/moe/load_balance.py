@@ -5,6 +5,9 @@ adding). Before every optimizer step the counts of all MoE layers are summed ove
 every rank that saw different tokens, and each layer's bias moves by
 ``coeff * sign(mean - count)``, centred (minus its own mean); then the counts reset.
 Every rank applies the same update to the same totals, so biases stay identical.
+A layer whose router gate is frozen (LoRA: ``titan_plugins.peft`` freezes the base)
+keeps its bias too: routing is part of the frozen base, so an adapter-only checkpoint
+and the exports (merged or PEFT over the base) hold everything the run changed.
 """
 
 from __future__ import annotations
@@ -51,11 +54,13 @@ def build_load_balance_hooks(
 ) -> list[Callable[[], None]]:
     """Pre-optimizer-step callables updating every MoE's ``expert_bias`` (one per
     distinct set of reduction groups; usually exactly one). Empty when no MoE layer
-    balances its load. Call them after the last backward of the step."""
+    balances its load (a frozen router does not). Call them after the last backward
+    of the step."""
     by_groups: dict[tuple, tuple[list[MoE], list[dist.ProcessGroup]]] = {}
     for part in model_parts:
         for module in part.modules():
-            if isinstance(module, MoE) and module.load_balance_coeff is not None:
+            frozen = isinstance(module, MoE) and not module.router.gate.weight.requires_grad
+            if isinstance(module, MoE) and module.load_balance_coeff is not None and not frozen:
                 groups = _count_groups(module, parallel_dims)
                 key = tuple(id(g) for g in groups)
                 by_groups.setdefault(key, ([], groups))[0].append(module)

@@ -8,6 +8,7 @@ The math itself (``forward_tokens``) always runs on plain local tensors.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -144,7 +145,8 @@ class MoE(nn.Module):
         sequences (for the sequence-wise aux loss). ``partial_grad_sync`` (tensor-
         parallel experts): identity whose backward sums gradients over the tp peers;
         applied to the experts' input and to the gating weights, whose gradients are
-        partial sums there because the experts' outputs are.
+        partial sums there because the experts' outputs are; the experts get it too, for
+        the LoRA adapter halves that stay whole over tp (``GroupedExperts.low_rank``).
         """
         num_tokens, dim = x.shape
         top_k = self.router.top_k
@@ -165,18 +167,21 @@ class MoE(nn.Module):
             scores_sorted = top_scores.view(-1)[order]
             routed_input = (routed_input.float() * scores_sorted.unsqueeze(1)).to(x.dtype)
 
+        experts = self.experts
+        if partial_grad_sync is not None:  # tensor-parallel experts: their LoRA adapters need it
+            experts = functools.partial(self.experts, grad_sync=partial_grad_sync)
         if dispatcher is not None:
             rows, rows_per_expert, state = dispatcher.dispatch(routed_input, counts)
-            routed_output = dispatcher.combine(self.experts(rows, rows_per_expert), state)
+            routed_output = dispatcher.combine(experts(rows, rows_per_expert), state)
         elif self.experts.use_grouped_mm and x.is_cuda:
             # grouped GEMMs on GPU want aligned groups: pad each expert's rows.
             dest, padded, total = aligned_expert_permutation(
                 counts.view(1, -1), TOKEN_GROUP_ALIGN_SIZE_M
             )
             rows = routed_input.new_zeros(total, dim).index_copy(0, dest, routed_input)
-            routed_output = self.experts(rows, padded).index_select(0, dest)
+            routed_output = experts(rows, padded).index_select(0, dest)
         else:
-            routed_output = self.experts(routed_input, counts)
+            routed_output = experts(routed_input, counts)
 
         shared = None
         if weights.shared is not None:
