@@ -94,10 +94,22 @@ def test_a_pattern_that_names_no_linear_is_one_line(base, pattern, why):
     assert why in str(err.value) and "\n" not in str(err.value)
 
 
-def test_moe_grouped_experts_are_refused():
-    with pytest.raises(ConfigError, match="grouped MoE expert weights layers.*.moe.experts.w1"):
-        prepare_job(["model=qwen3", "model.flavor=debugmodel_moe", "data.name=synthetic", "training.seq_len=16",
-                     "peft=lora", "peft.target_modules=[experts]"], get_plugin_manager())
+def test_a_plugins_own_grouped_weights_are_refused_in_one_line():
+    """The core's GroupedExperts take LoRA by name (tests/test_lora_experts.py); 3-D weights
+    of a plugin's own module, whose forward LoRA cannot reach, are refused, not skipped."""
+    from titan_plugins.peft.targets import match_targets
+
+    class OwnExperts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w1 = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    model = torch.nn.ModuleDict({"experts": OwnExperts(), "proj": torch.nn.Linear(8, 8)})
+    assert match_targets(model, ["proj"]) == ["proj"]
+    with pytest.raises(ConfigError, match=r"names the grouped weights .*experts.w1 of OwnExperts, "
+                                          r"which LoRA does not adapt") as err:
+        match_targets(model, ["experts"])
+    assert "\n" not in str(err.value)
 
 
 def _loss_and_grads(model):
