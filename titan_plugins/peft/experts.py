@@ -14,7 +14,7 @@ Expert parallelism shards both halves on dim 0 like the weights
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,7 +31,7 @@ ADAPTERS = "lora"  # the ModuleDict on the experts that holds the pairs (Grouped
 class _Half(nn.Module):
     """One grouped adapter matrix as ``weight`` (PEFT's ``lora_A`` / ``lora_B`` names)."""
 
-    def __init__(self, shape: tuple[int, int, int], device: Any) -> None:
+    def __init__(self, shape: tuple[int, int, int], device: torch.device | str | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(shape, device=device, dtype=torch.float32))
 
@@ -40,7 +40,7 @@ class GroupedLoRA(nn.Module):
     """The adapter pair of one expert weight ``[E, out, in]``: ``lora_A.weight``
     ``[E, r, in]``, ``lora_B.weight`` ``[E, out, r]``, ``scaling`` = alpha / r."""
 
-    def __init__(self, shape: tuple[int, int, int], rank: int, alpha: float, dropout: float, device: Any) -> None:
+    def __init__(self, shape: tuple[int, int, int], rank: int, alpha: float, dropout: float, device: torch.device | str | None) -> None:
         super().__init__()
         num_experts, out_features, in_features = shape
         self.num_experts, self.out_features, self.in_features = num_experts, out_features, in_features
@@ -70,7 +70,7 @@ class LoRAExpertsMixin:
 
     lora: nn.ModuleDict
 
-    def low_rank(self, dtype: torch.dtype, grad_sync: Any = None) -> dict[str, LowRank]:
+    def low_rank(self, dtype: torch.dtype, grad_sync: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, LowRank]:
         out = {}
         for name, pair in self.lora.items():
             a, b = _local(pair.lora_A.weight), _local(pair.lora_B.weight)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,11 @@ from titan_plugins.peft.experts import (
     is_expert_weight,
 )
 from titan_plugins.peft.targets import canonical_name, match_targets
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from titan_plugins.peft.config import PeftConfig
 
 __all__ = [
     "LoRALinear",
@@ -55,7 +60,7 @@ def is_adapter_key(key: str) -> bool:
     return key.endswith(ADAPTER_KEYS)
 
 
-def lora_enabled(job: Any) -> bool:
+def lora_enabled(job: DictConfig) -> bool:
     peft = job.get("peft") if hasattr(job, "get") else getattr(job, "peft", None)
     if peft is None:
         return False
@@ -65,7 +70,7 @@ def lora_enabled(job: Any) -> bool:
 class _Adapter(nn.Module):
     """Holds one adapter matrix as ``weight`` (PEFT's ``lora_A`` / ``lora_B``)."""
 
-    def __init__(self, out_features: int, in_features: int, device: Any) -> None:
+    def __init__(self, out_features: int, in_features: int, device: torch.device | str | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=torch.float32))
 
@@ -128,7 +133,7 @@ def _convert(module: nn.Linear, rank: int, alpha: float, dropout: float) -> None
     module.scaling = alpha / rank
 
 
-def apply_lora(model: nn.Module, peft: Any, exclude: tuple[str, ...] = ()) -> list[str]:
+def apply_lora(model: nn.Module, peft: PeftConfig, exclude: tuple[str, ...] = ()) -> list[str]:
     """Freeze ``model`` and give every ``nn.Linear`` and grouped expert weight that
     ``peft.target_modules`` names an adapter pair; returns their FQNs. Works on the
     meta device."""

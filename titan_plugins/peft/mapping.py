@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_plugins.hf.mapping import ModelConfig
+    from titan_plugins.protocols import HFStateDictAdapter
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["ExpertTarget", "HFTarget", "expert_hf_targets", "hf_targets", "state_dict_adapter"]
 
@@ -47,7 +52,7 @@ class ExpertTarget:
     cols: torch.Tensor
 
 
-def state_dict_adapter(spec: Any, config: Any, folder: str | None = None) -> Any:
+def state_dict_adapter(spec: ModelSpec, config: ModelConfig, folder: str | None = None) -> HFStateDictAdapter:
     adapter_cls = spec.load("state_dict_adapter")
     if adapter_cls is None or not hasattr(adapter_cls, "to_hf"):
         raise ConfigError(f"model {spec.name!r}: its plugin has no state-dict adapter with to_hf (Hugging Face names)")
@@ -55,7 +60,7 @@ def state_dict_adapter(spec: Any, config: Any, folder: str | None = None) -> Any
     return adapter_cls(config, hf_assets_path=folder) if takes_folder and folder else adapter_cls(config)
 
 
-def hf_targets(adapter: Any, module: str, shape: tuple[int, int]) -> list[HFTarget]:
+def hf_targets(adapter: HFStateDictAdapter, module: str, shape: tuple[int, int]) -> list[HFTarget]:
     """The Hugging Face modules that hold our ``module``'s weight, and how."""
     key = f"{module}.weight"
     out_f, in_f = shape
@@ -95,7 +100,7 @@ def _fused(module: str, why: str) -> ConfigError:
     )
 
 
-def expert_hf_targets(adapter: Any, key: str, shape: tuple[int, int, int]) -> list[ExpertTarget]:
+def expert_hf_targets(adapter: HFStateDictAdapter, key: str, shape: tuple[int, int, int]) -> list[ExpertTarget]:
     """The per-expert Hugging Face linears that hold our grouped expert weight ``key``
     (``layers.0.moe.experts.w1``, ``[E, out, in]``), and how."""
     n, out_f, in_f = shape
