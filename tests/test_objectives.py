@@ -137,3 +137,29 @@ def test_titan_run_list_shows_the_objectives_and_a_broken_one(monkeypatch, capsy
     data = json.loads(capsys.readouterr().out)
     assert [(o["name"], o["origin"], o["data"]) for o in data["objectives"]][2:] == [("mine", "my-dist==1.0", "rows")]
     assert any("objective 'bad'" in e for e in data["errors"])
+
+
+def test_a_reference_store_finds_rows_by_their_tokens_and_refuses_stale_files(tmp_path):
+    """objective.precompute_ref's store: a row's value is found by its tokens and labels
+    in any batch order; a row it lacks, or a file made for another start, is one line."""
+    from titan_plugins.objectives.precompute import ReferenceStore, first_pass
+
+    inputs = torch.arange(24).reshape(4, 6)
+    labels = inputs.clone()
+    labels[:, :2] = IGNORE_INDEX
+    values = first_pass([(inputs[:2], labels[:2]), (inputs[2:], labels[2:])],
+                        lambda x, y: x.float().sum(-1))  # one value per row, as DPO's log-probs
+    store = ReferenceStore(tmp_path / "ref.pt", values, computed=True)
+    order = torch.tensor([3, 0, 2])
+    assert torch.equal(store.lookup(inputs[order], labels[order], torch.device("cpu")),
+                       inputs[order].float().sum(-1))
+    other = labels[:1].clone()
+    other[0, 2] = IGNORE_INDEX  # the same tokens, another completion boundary: another row
+    with pytest.raises(ConfigError, match=r"holds no reference value for a row of this batch") as err:
+        store.lookup(inputs[:1], other, torch.device("cpu"))
+    assert "\n" not in str(err.value)
+    store.save({"seed": 0, "data": {"path": "a.jsonl"}})
+    again = ReferenceStore.load(tmp_path / "ref.pt", {"seed": 0, "data": {"path": "a.jsonl"}})
+    assert not again.computed and all(torch.equal(again.values[k], v) for k, v in values.items())
+    with pytest.raises(ConfigError, match=r"ref.pt was computed for another start or data \(data differ\)"):
+        ReferenceStore.load(tmp_path / "ref.pt", {"seed": 0, "data": {"path": "b.jsonl"}})

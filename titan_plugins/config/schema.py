@@ -289,6 +289,9 @@ class ObjectiveConfig:
     beta: float = ranged(0.1, "(0, inf)")  # the KL weight (simpo: the reward scale; orpo: the odds-ratio weight)
     label_smoothing: float = ranged(0.0, "[0, 0.5)")  # robust: the assumed share of flipped labels
     simpo_gamma: float = ranged(0.5, "[0, inf)")  # simpo: the target reward margin
+    # dpo with a reference: its log-probs computed from the starting weights in a first pass and
+    # stored in the run directory (no frozen copy under full fine-tuning)
+    precompute_ref: bool = False
     options: dict[str, Any] = field(default_factory=dict)  # a third-party objective's own knobs
 
 

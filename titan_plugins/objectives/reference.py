@@ -5,6 +5,10 @@ was before training, under ``torch.no_grad``.
   the forward: ``out + 0``, bitwise the base), so no second copy of the weights.
 - Full fine-tuning: a frozen copy built and sharded exactly like the policy (the same
   lifecycle, so FSDP/TP place it the same way) holding the policy's starting weights.
+- ``objective.precompute_ref=true``: no model at all during training; the policy's
+  per-row values at its starting weights, computed in a first pass over the data (and
+  the validation rows) before step 1 and stored in the run directory
+  (``precompute.py``), are read back by each row's key.
 
 MoE token counters the forward adds to are put back, and FSDP units resharded after
 (validation.py's helpers), so a reference pass changes nothing the policy's step reads.
@@ -13,18 +17,20 @@ MoE token counters the forward adds to are put back, and FSDP units resharded af
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from titan_plugins.errors import ConfigError
 from titan_plugins.peft.lora import adapter_modules, lora_enabled
 
 if TYPE_CHECKING:
     from titan_plugins.train.lifecycle import ModelParts
 
-__all__ = ["Reference", "adapters_off", "build_reference"]
+__all__ = ["PrecomputedReference", "Reference", "adapters_off", "build_reference"]
 
 
 @contextlib.contextmanager
@@ -50,7 +56,8 @@ class Reference:
             "a frozen copy of the starting weights, sharded like the policy"
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, reduce: Callable[[Any], Any] = lambda out: out) -> Any:
+    def __call__(self, inputs: torch.Tensor, reduce: Callable[[Any], Any] = lambda out: out,
+                 labels: torch.Tensor | None = None) -> Any:
         """``reduce(output)`` of the reference's forward, computed inside the forward's
         contexts: the output may be the last hidden state with a reference to the head
         (train/loss.py computes logits chunk by chunk), so the head's weights must still
@@ -65,8 +72,101 @@ class Reference:
             return reduce(parts[0](inputs))
 
 
-def build_reference(trainer: Any) -> Reference:
-    """The reference of ``trainer``'s policy: call after the policy's weights are loaded."""
+class PrecomputedReference:
+    """``reference(inputs, reduce, labels)``: the stored values of the batch's rows."""
+
+    def __init__(self, store: Any, device: torch.device, rows: int) -> None:
+        self.store, self.device = store, device
+        how = "precomputed in a first pass over" if store.computed else "read from the first pass over"
+        self.kind = (f"the starting weights' log-probs, {how} {rows} rows, no model copy "
+                     f"(objective.precompute_ref: {store.path.name} in the run directory)")
+
+    def __call__(self, inputs: torch.Tensor, reduce: Callable[[Any], Any] = lambda out: out,
+                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        assert labels is not None, "a stored reference is looked up by the rows' tokens and labels"
+        return self.store.lookup(inputs, labels, self.device)
+
+
+def _epoch_batches(trainer: Any, loader: Any) -> int:
+    """Microbatches per rank that cover every pair of the source once (its first epoch)."""
+    dataset = getattr(loader, "dataset", None)
+    try:
+        pairs = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(f"objective.precompute_ref=true needs a data source of known length (data.name="
+                          f"{trainer.job.data.name} streams); use data=preference") from None
+    per_step = int(trainer.job.training.local_batch_size) // 2 * trainer.dims.dp_size * trainer.accum
+    return -(-pairs // per_step) * trainer.accum
+
+
+def _store_meta(job: Any) -> dict[str, Any]:
+    """What the stored values depend on: the starting weights and the rows."""
+    from omegaconf import OmegaConf
+
+    def plain(node: Any) -> Any:
+        return OmegaConf.to_container(node, resolve=True) if node is not None else None
+
+    # A random start (no checkpoint.init_from, no model.hf) differs from layout to layout.
+    random_start = not job.checkpoint.get("init_from") and not job.model.get("hf")
+    meta = {"model": plain(job.model), "init_from": job.checkpoint.get("init_from"), "peft": plain(job.get("peft")),
+            "layout": plain(job.parallelism) if random_start else None,
+            "seed": int(job.training.seed), "data": plain(job.data), "seq_len": int(job.training.seq_len),
+            "validation": ({k: v for k, v in plain(job.validation).items() if k != "every"}
+                           if job.validation.enabled else None),
+            "objective": str(job.objective.name)}
+    return json.loads(json.dumps(meta, default=str))  # plain values (enums as text): a weights-only load reads them
+
+
+def precomputed_reference(trainer: Any) -> PrecomputedReference:
+    """Read the run directory's store, or run the first pass (every rank, the training
+    loader's first epoch and the validation batches, the policy at its starting
+    weights as the reference) and write it."""
+    from pathlib import Path
+
+    from titan_plugins.objectives.precompute import STORE, ReferenceStore, first_pass, on_every_rank
+
+    job, objective = trainer.job, trainer.objective
+    path = Path(trainer.run_dir) / STORE
+    meta = _store_meta(job)
+    if on_every_rank(path):
+        store = ReferenceStore.load(path, meta)
+        return PrecomputedReference(store, trainer.device, len(store.values))
+    policy = Reference(trainer.model, None)  # the starting weights (adapters off under LoRA)
+    loss_parallel = trainer.dims.tp_enabled and bool(job.parallelism.loss_parallel)
+
+    def values_of(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
+        context = contextlib.nullcontext()
+        if loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel as tp_loss
+
+            context = tp_loss()
+        with context:  # as the train step calls the reference (step.py)
+            return policy(inputs, lambda out: objective.reference_stats(out, labels))
+
+    def batches() -> Any:
+        # A second loader built as the trainer builds its own (same rows, same microbatches).
+        loader = trainer._build_dataloader()
+        for _ in range(_epoch_batches(trainer, loader)):
+            yield next(loader)[:2]
+        if job.validation.enabled:  # the validator's batches: a fresh loader, the same rows each time
+            from titan_plugins.train.validation import Validator
+
+            rows = iter(Validator(trainer)._loader())
+            for _ in range(int(job.validation.steps)):
+                yield next(rows)[:2]
+
+    store = ReferenceStore(path, ReferenceStore.gather(first_pass(batches(), values_of)), computed=True)
+    if trainer.rank == 0:
+        store.save(meta)
+    return PrecomputedReference(store, trainer.device, len(store.values))
+
+
+def build_reference(trainer: Any) -> Reference | PrecomputedReference:
+    """The reference of ``trainer``'s policy: call after the policy's weights are loaded
+    (before a checkpoint's: resuming happens after, so these are the starting weights)."""
+    if trainer.job.objective.get("precompute_ref"):
+        return precomputed_reference(trainer)
     if lora_enabled(trainer.job):
         return Reference(trainer.model, None)
     from titan_plugins.train.lifecycle import build_model_parts

@@ -117,4 +117,8 @@ def build_objective(objective_config: Any, registry: ObjectiveRegistry | None = 
     reg.raise_on_errors()  # a run is strict: a broken objective package stops it
     spec = reg.get(str(getattr(objective_config, "name", None) or "sft"))
     cls = resolve(spec.build)
-    return cls(objective_config, spec)
+    objective = cls(objective_config, spec)
+    if getattr(objective_config, "precompute_ref", False) and not objective.needs_reference:
+        raise ConfigError(f"objective.precompute_ref=true: {objective.describe()} uses no reference model, "
+                          "so there is nothing to precompute")
+    return objective

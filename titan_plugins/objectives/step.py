@@ -73,7 +73,7 @@ def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
                 if objective.needs_reference:
                     with torch.no_grad(), trainer._loss_context():
                         reference = trainer.reference(
-                            inputs, lambda out, labels=labels: objective.reference_stats(out, labels))
+                            inputs, lambda out, labels=labels: objective.reference_stats(out, labels), labels)
                 with trainer._loss_context():
                     loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference)
                     if train:

@@ -243,6 +243,10 @@ class PreferenceDataset:
         self.counts = dict.fromkeys(STATS, 0)
         self._orders: dict[int, list[int]] = {}
 
+    def __len__(self) -> int:
+        """The pairs in the source (one epoch; objective.precompute_ref's first pass reads them all)."""
+        return len(self.rows)
+
     def set_layout(self, local_batch_size: int, grad_accum_steps: int) -> None:
         if local_batch_size % 2:
             raise ConfigError(f"training.local_batch_size={local_batch_size} must be even with "
