@@ -189,3 +189,48 @@ def test_merge_dequantizes_and_differs_from_the_full_base_by_the_quantization_er
     rel = ((got - want).norm() / want.norm()).item()
     print(f"merged QLoRA vs full base + adapter: relative logits error {rel:.4f}")
     assert 0.005 < rel < 0.3
+
+
+@pytest.mark.slow
+def test_a_qlora_run_exports_merged_as_it_trained_and_an_adapter_peft_loads(base, tmp_path):
+    """titan-run peft=qlora (adapter-only checkpoints), then titan-export: ``--merge`` of the
+    run folds the adapters into the 4-bit base the run trained over, bit for bit what the
+    live merge (``checkpoint.export_hf``) wrote; ``--adapter`` is a PEFT folder peft loads
+    on the full-precision base, computing LoRA over that base with the trained adapters."""
+    import json
+
+    import peft
+    from safetensors.torch import load_file
+
+    from titan_plugins.export.lora import export_adapter, export_merged
+    from titan_plugins.export.source import find_checkpoint, read_dcp_model
+    from titan_plugins.train.api import run
+
+    run_dir = tmp_path / "run"
+    steps = ["training.steps=2", "training.lr=1e-2", "training.warmup_steps=0", "training.local_batch_size=2",
+             "metrics.tensorboard=false", "checkpoint=periodic", "checkpoint.interval=2", "checkpoint.export_hf=true"]
+    result = run(_args(base, "qlora", *steps), run_dir=run_dir, timeout=600)
+    assert result.ok, (result.error, result.stderr[-3000:])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "step" in r] == [1, 2]
+    _, ckpt = find_checkpoint(run_dir)
+    saved = read_dcp_model(ckpt)
+    assert saved and all(".lora_" in k for k in saved)  # adapter-only
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if k.endswith("lora_B.weight"))  # it trained
+
+    merged = export_merged(run_dir, tmp_path / "merged")
+    def weights(folder):
+        return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
+
+    live, offline = weights(run_dir / "hf"), weights(merged)
+    assert sorted(live) == sorted(offline)
+    assert all(torch.equal(live[k], offline[k]) for k in live)  # the 4-bit base, as the run saw it
+
+    adapter = export_adapter(run_dir, tmp_path / "adapter")
+    theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
+    lora = _model(base, "lora")  # LoRA over the full-precision base, with the run's adapters
+    missing = lora.load_state_dict(saved, strict=False)
+    assert not missing.unexpected_keys and not [k for k in missing.missing_keys if ".lora_" in k]
+    with torch.no_grad():
+        got, want = theirs.eval()(TOKENS).logits, lora.eval()(TOKENS)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

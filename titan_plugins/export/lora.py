@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
 from titan_plugins.export.hf_folder import write_hf_folder
 from titan_plugins.export.out_dir import claim_out_dir, write_export
@@ -32,6 +33,7 @@ from titan_plugins.export.source import find_checkpoint, read_dcp_model
 from titan_plugins.peft.checkpoint import adapter_shapes, checkpoint_filter
 from titan_plugins.peft.folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_expert_layout, to_peft
 from titan_plugins.peft.lora import is_adapter_key, lora_enabled, merge_into
+from titan_plugins.peft.qlora import qlora_enabled, round_trip_base
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -136,7 +138,10 @@ def export_merged(path: str | Path, out: str | Path, *, overwrite: bool = False)
     target = claim_out_dir(out, "merged", overwrite=overwrite, protect={"the run directory": run_dir})
     sd = read_dcp_model(checkpoint)
     adapters = {k: v for k, v in sd.items() if is_adapter_key(k)}
-    merged = merge_into(base_state_dict(job, spec, config, sd), adapters, float(job.peft.alpha) / int(job.peft.rank))
+    base = base_state_dict(job, spec, config, sd)
+    if qlora_enabled(job):  # the adapters were trained over the 4-bit base: merge into that
+        base = round_trip_base(base, adapters, to_torch_dtype(job.precision.weight_dtype))
+    merged = merge_into(base, adapters, float(job.peft.alpha) / int(job.peft.rank))
     return write_export(target, "merged", lambda tmp: write_hf_folder(tmp, spec, config, job, merged))
 
 

@@ -161,15 +161,17 @@ def dequantized(value: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def round_trip_base(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def round_trip_base(state_dict: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """A full-precision base (``model.hf``, a checkpoint) as the QLoRA run saw it: each
-    adapted module's weight quantized to NF4 and back, with the run's blocks. Then
+    adapted module's weight cast to the run's weight ``dtype`` (the run quantized what it
+    loaded into its own dtype), quantized to NF4 and back, with the run's blocks. Then
     ``merge_into`` gives what a live QLoRA model merges (``--merge`` of a QLoRA run)."""
     to_nf4 = _nf4()[2]
     out = dict(state_dict)
     for key in adapters:
         if key.endswith(".lora_A.weight"):
             name = key[: -len(".lora_A.weight")] + ".weight"
-            w = out[name]
+            w = out[name] if dtype is None else out[name].to(dtype)
             out[name] = to_nf4(w, BLOCK_SIZE, _scaler_block(w.numel() // BLOCK_SIZE)).get_original_weight()
     return out
