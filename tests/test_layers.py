@@ -44,8 +44,6 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
 ALLOWED_UP: dict[tuple[str, str], str] = {
     ("titan_plugins.components.compute_dtype", "titan_plugins.distributed.fsdp"):
         "the dtype-name parser (to_torch_dtype) lives with FSDP's mixed-precision policy",
-    ("titan_plugins.objectives.reference", "titan_plugins.train.validation"):
-        "the DPO reference pass reuses the evaluation contexts (in progress, issue 37)",
 }
 
 

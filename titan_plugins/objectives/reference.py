@@ -62,7 +62,7 @@ class Reference:
         contexts: the output may be the last hidden state with a reference to the head
         (train/loss.py computes logits chunk by chunk), so the head's weights must still
         be gathered (FSDP) and the adapters still off when the loss reads it."""
-        from titan_plugins.train.validation import moe_counters_kept, resharded
+        from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
 
         if self.frozen is not None:
             with resharded(self.frozen.parts):
@@ -149,10 +149,8 @@ def precomputed_reference(trainer: Any) -> PrecomputedReference:
         loader = trainer._build_dataloader()
         for _ in range(_epoch_batches(trainer, loader)):
             yield next(loader)[:2]
-        if job.validation.enabled:  # the validator's batches: a fresh loader, the same rows each time
-            from titan_plugins.train.validation import Validator
-
-            rows = iter(Validator(trainer)._loader())
+        if trainer.validator is not None:  # the validator's batches: a fresh loader, the same rows each time
+            rows = iter(trainer.validator._loader())
             for _ in range(int(job.validation.steps)):
                 yield next(rows)[:2]
 

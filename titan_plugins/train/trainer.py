@@ -100,6 +100,8 @@ class Trainer:
             from titan_plugins.peft.checkpoint import load_adapter_folder
 
             load_adapter_folder(self.model.parts, spec, model_config(job.model, spec), job)
+        # before the reference: a precomputed reference also scores the validator's rows
+        self.validator = Validator(self) if job.validation.enabled else None
         self.reference = None
         if self.objective.needs_reference:  # from the starting weights, loaded above
             from titan_plugins.objectives.reference import build_reference
@@ -117,7 +119,6 @@ class Trainer:
                 self.optimizers[0].register_step_pre_hook(lambda *_args, _fn=fn: _fn())
 
         self.dataloader = self._build_dataloader()
-        self.validator = Validator(self) if job.validation.enabled else None
         self.checkpointer = Checkpointer(
             job, run_dir, self.model.parts, self.optimizers, self.schedulers, self.dataloader
         )

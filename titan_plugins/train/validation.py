@@ -11,13 +11,13 @@ last stage computes the loss, as in training.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
 from titan_plugins.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -59,38 +59,6 @@ def check_validation(job: DictConfig) -> None:
         if int(val[key]) < 1:
             raise ConfigError(f"validation.{key}={val[key]} must be at least 1")
     validation_data_config(job)
-
-
-@contextlib.contextmanager
-def resharded(parts: list[torch.nn.Module]):
-    """Reshard every FSDP unit after the forward passes. FSDP2 keeps the units that do not
-    reshard after forward (the last block, the head, every unit under PP) unsharded until
-    their backward, which a forward-only pass never runs: the modules would keep the
-    unsharded parameters registered, not the sharded ones the optimizer holds, and the
-    next checkpoint's optimizer state could not name them (``KeyError`` in
-    ``get_optimizer_state_dict``)."""
-    try:
-        yield
-    finally:
-        from torch.distributed.fsdp import FSDPModule
-
-        for part in parts:
-            for module in part.modules():
-                if isinstance(module, FSDPModule):
-                    module.reshard()
-
-
-@contextlib.contextmanager
-def moe_counters_kept(parts: list[torch.nn.Module]):
-    """Forward passes add to every MoE's ``tokens_per_expert``; put them back after."""
-    saved = [(buf, buf.detach().clone()) for part in parts
-             for name, buf in part.named_buffers() if name.endswith("tokens_per_expert")]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for buf, value in saved:
-                buf.copy_(value)
 
 
 class Validator:
