@@ -70,6 +70,16 @@ def test_new_writes_a_complete_package(tmp_path, capsys):
         assert ref in plugin
     assert "MAP = HFConfigMap(" in hf and "MAPPING = HFMapping(" in hf
     assert "load_hf_model" in (dest / "tests/test_mymodel.py").read_text()
+    # it declares the API it was generated for, read as the loader reads it (source only)
+    import ast
+
+    from titan_plugins import API_VERSION
+    from titan_plugins.plugins import api_mismatch
+
+    declared = [n.value.value for n in ast.parse(plugin).body if isinstance(n, ast.Assign)
+                and n.targets[0].id == "TITAN_PLUGINS_API"]
+    assert declared == [f">={API_VERSION},<{int(API_VERSION.split('.')[0]) + 1}"]
+    assert api_mismatch(declared[0]) is None
 
 
 def test_generated_hf_mapping_loads_transformers_llama_config(tmp_path, monkeypatch):

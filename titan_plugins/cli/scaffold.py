@@ -52,6 +52,15 @@ def names_for(name: str, kind: str = "model") -> dict[str, str]:
     }
 
 
+def api_range() -> str:
+    """The plugin API range a package generated now declares: this core's minor up to
+    the next major (docs/writing-a-plugin.md, the compatibility promise)."""
+    from titan_plugins import API_VERSION
+
+    major = int(API_VERSION.split(".")[0])
+    return f">={API_VERSION},<{major + 1}"
+
+
 def _render(text: str, names: dict[str, str]) -> str:
     for key, value in names.items():
         text = text.replace("{{" + key + "}}", value)
@@ -93,7 +102,7 @@ def scaffold(name: str, dest: str | Path | None = None, kind: str = "model") -> 
     for rel, text in _templates(kind):
         path = target / rel.replace("_package_", names["package"]).replace("_name_", name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(_render(text, names), encoding="utf-8")
+        path.write_text(_render(text, {**names, "api_range": api_range()}), encoding="utf-8")
         written.append(path)
     return target, written
 
