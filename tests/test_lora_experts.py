@@ -377,10 +377,7 @@ def _layout_rank(rank: int, world: int, layouts: tuple[str, ...] = LAYOUTS) -> d
     sharded like their experts."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from titan_plugins.distributed.parallel_dims import ParallelDims
-    from titan_plugins.peft.lora import set_full
-    from titan_plugins.testing.model_parts import adapter_grads
-    from titan_plugins.train.lifecycle import build_model_parts
+    from titan_plugins.testing.model_parts import adapter_grads, parallel_copy
 
     pm = get_plugin_manager()
     out = {}
@@ -391,12 +388,7 @@ def _layout_rank(rank: int, world: int, layouts: tuple[str, ...] = LAYOUTS) -> d
             gen = torch.Generator().manual_seed(3)
             for _, pair in adapter_modules(ref):
                 pair.lora_B.weight.copy_(torch.randn(pair.lora_B.weight.shape, generator=gen) * 0.1)
-        dims = ParallelDims.from_config(job.parallelism, world)
-        dims.build_meshes("cpu")
-        model = build_model_parts(spec, job, dims, torch.device("cpu"), pm, fused_loss=False).parts[0]
-        full = ref.state_dict()
-        for name, value in model.state_dict().items():  # the reference's weights, sharded
-            set_full(value, full[name])
+        model, dims = parallel_copy(spec, job, world, pm, ref)
         ref.train()
         model.train()
         want_loss = _loss(ref)

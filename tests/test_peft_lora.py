@@ -481,9 +481,7 @@ def _layout_rank(rank: int, world: int) -> dict:
     against the same model on one process: loss and every adapter gradient."""
     from torch.distributed.tensor import DTensor
 
-    from titan_plugins.distributed.parallel_dims import ParallelDims
-    from titan_plugins.peft.lora import set_full
-    from titan_plugins.train.lifecycle import build_model_parts
+    from titan_plugins.testing.model_parts import parallel_copy
 
     pm = get_plugin_manager()
     out = {}
@@ -497,12 +495,7 @@ def _layout_rank(rank: int, world: int) -> dict:
             ref.init_weights()
         init_adapters(ref, 0)
         _trained_like(ref)
-        dims = ParallelDims.from_config(job.parallelism, world)
-        dims.build_meshes("cpu")
-        model = build_model_parts(spec, job, dims, torch.device("cpu"), pm, fused_loss=False).parts[0]
-        full = ref.state_dict()
-        for name, value in model.state_dict().items():  # the reference's weights, sharded
-            set_full(value, full[name])
+        model, _ = parallel_copy(spec, job, world, pm, ref)
         model.train()
         want_loss, want = _loss_and_grads(ref)
         logits = _full(model(TOKENS[:, :-1] % 96))

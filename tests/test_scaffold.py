@@ -125,18 +125,23 @@ def test_generated_python_is_ruff_clean(tmp_path, kind):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.slow
-@pytest.mark.extended  # ~90 s; test_third_party_install covers installing a plugin, the fast scaffold tests its files
-def test_generated_plugin_installs_lists_trains_and_passes_its_tests(tmp_path):
-    root, _ = scaffold("scaffoldgpt", tmp_path / "titan-scaffoldgpt")
-    site = tmp_path / "site"
+def _installed_env(root, site):
+    """pip-install the generated package into ``site`` (no deps, no index) and return an
+    environment whose processes import it, one intra-op thread each."""
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
          "--target", str(site), str(root)],
         check=True, capture_output=True, text=True, timeout=300,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "1"}
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # ~90 s; test_third_party_install covers installing a plugin, the fast scaffold tests its files
+def test_generated_plugin_installs_lists_trains_and_passes_its_tests(tmp_path):
+    root, _ = scaffold("scaffoldgpt", tmp_path / "titan-scaffoldgpt")
+    env = _installed_env(root, tmp_path / "site")
     env.pop("TITAN_PLUGINS_EXTRA", None)
 
     listed = subprocess.run([BIN / "titan-plugins", "list", "--json"], capture_output=True, text=True,
@@ -237,14 +242,7 @@ def test_new_objective_refuses_a_taken_name(tmp_path, capsys):
 @pytest.mark.extended  # ~60 s; the fast tests above check its files, its entry point and its loss in process
 def test_generated_objective_installs_lists_trains_and_passes_its_tests(tmp_path):
     root, _ = scaffold("scafloss", tmp_path / "titan-scafloss-objective", "objective")
-    site = tmp_path / "site"
-    subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-build-isolation",
-         "--target", str(site), str(root)],
-        check=True, capture_output=True, text=True, timeout=300,
-    )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
+    env = _installed_env(root, tmp_path / "site")
     listed = subprocess.run([BIN / "titan-plugins", "list", "--json"], capture_output=True, text=True,
                             env=env, timeout=120, check=True)
     objectives = {o["name"]: o for o in json.loads(listed.stdout)["objectives"]}

@@ -127,48 +127,34 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run_new(args: argparse.Namespace, pm: TitanPluginManager) -> int:
-    if getattr(args, "objective", False):
-        return _run_new_objective(args)
-    names = names_for(args.name)
-    if pm is not None and args.name in pm.models():
-        owner = pm.model_owner(args.name)
-        raise ConfigError(
-            f"model {args.name!r} is already provided by {owner.dist}=={owner.version}; choose another name"
-        )
-    target, written = scaffold(args.name, args.directory)
+    kind = "objective" if getattr(args, "objective", False) else "model"
+    names = names_for(args.name, kind)
+    _refuse_taken(kind, args.name, pm)
+    target, written = scaffold(args.name, args.directory, kind)
     shown = target if not target.is_absolute() else _relative(target)
-    lines = [f"wrote {len(written)} files to {shown}/ (model {names['name']!r}, package "
-             f"{names['package']}, distribution {names['dist']})", "", "next:"]
-    lines += [
-        f"  pip install -e {shown}",
-        "  titan-plugins list",
-        f"  titan-run model={names['name']} parallelism=fsdp2_tp2 training.steps=3",
-        f"  pytest {shown}",
-    ]
+    train = (f"titan-run model={names['name']} parallelism=fsdp2_tp2 training.steps=3" if kind == "model" else
+             f"titan-run model=qwen3 data=chat_sample objective.name={names['name']} training.steps=3")
+    lines = [f"wrote {len(written)} files to {shown}/ ({kind} {names['name']!r}, package "
+             f"{names['package']}, distribution {names['dist']})", "", "next:",
+             f"  pip install -e {shown}", "  titan-plugins list", f"  {train}", f"  pytest {shown}"]
     print("\n".join(lines))
     return 0
 
 
-def _run_new_objective(args: argparse.Namespace) -> int:
+def _refuse_taken(kind: str, name: str, pm: TitanPluginManager | None) -> None:
+    """A name an installed plugin already provides, in one line naming its distribution."""
+    if kind == "model":
+        if pm is not None and name in pm.models():
+            owner = pm.model_owner(name)
+            raise ConfigError(f"model {name!r} is already provided by {owner.dist}=={owner.version}; "
+                              "choose another name")
+        return
     from titan_plugins.objectives.registry import discover
 
-    names = names_for(args.name, "objective")
     installed = discover()
-    if args.name in installed.specs:
-        raise ConfigError(f"objective {args.name!r} is already provided by {installed.origins[args.name]}; "
+    if name in installed.specs:
+        raise ConfigError(f"objective {name!r} is already provided by {installed.origins[name]}; "
                           "choose another name")
-    target, written = scaffold(args.name, args.directory, "objective")
-    shown = target if not target.is_absolute() else _relative(target)
-    lines = [f"wrote {len(written)} files to {shown}/ (objective {names['name']!r}, package "
-             f"{names['package']}, distribution {names['dist']})", "", "next:"]
-    lines += [
-        f"  pip install -e {shown}",
-        "  titan-plugins list",
-        f"  titan-run model=qwen3 data=chat_sample objective.name={names['name']} training.steps=3",
-        f"  pytest {shown}",
-    ]
-    print("\n".join(lines))
-    return 0
 
 
 def _relative(path: Path) -> Path:

@@ -121,6 +121,23 @@ def load_full_state_dict(model: nn.Module, full_sd: Mapping[str, torch.Tensor]) 
                 t.copy_(full_sd[name])
 
 
+def parallel_copy(spec: Any, job: Any, world: int, pm: Any, ref: nn.Module) -> tuple[nn.Module, Any]:
+    """This rank's part of ``job``'s layout as the trainer builds it (``build_model_parts``:
+    the plugin's plan, adapters placed like their base), holding ``ref``'s weights: for
+    comparing one layout against one process. Returns the part and the ``ParallelDims``."""
+    from titan_plugins.distributed.parallel_dims import ParallelDims
+    from titan_plugins.peft.lora import set_full
+    from titan_plugins.train.lifecycle import build_model_parts
+
+    dims = ParallelDims.from_config(job.parallelism, world)
+    dims.build_meshes("cpu")
+    model = build_model_parts(spec, job, dims, torch.device("cpu"), pm, fused_loss=False).parts[0]
+    full_sd = ref.state_dict()
+    for name, value in model.state_dict().items():  # the reference's weights, sharded
+        set_full(value, full_sd[name])
+    return model, dims
+
+
 def full(x: torch.Tensor) -> torch.Tensor:
     """A DTensor's full tensor, a plain tensor as it is."""
     from torch.distributed.tensor import DTensor
