@@ -132,13 +132,7 @@ def model_config_from_values(flavor, values):
     [("hidden_act", "gelu"), ("attention_bias", True), ("use_sliding_window", True), ("quantization_config", {})],
 )
 def test_unhonourable_field_is_one_error(tmp_path, field, value):
-    folder, _ = hf_folder(tmp_path, "dense")
-    data = json.loads((folder / "config.json").read_text())
-    data[field] = value
-    (folder / "config.json").write_text(json.dumps(data))
-    with pytest.raises(ConfigError) as err:
-        prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, "training.seq_len=16"], get_plugin_manager())
-    msg = str(err.value)
+    msg = _refusal_of(tmp_path, "dense", field, value)
     assert "\n" not in msg and f"config.json: {field}=" in msg and "model.hf=" in msg
 
 
@@ -146,14 +140,19 @@ def test_unhonourable_field_is_one_error(tmp_path, field, value):
     ("mlp_only_layers", "1", "must be a list of layer indices"), ("decoder_sparse_step", 0, "must be >= 1"),
     ("decoder_sparse_step", 1.5, "must be an integer")])
 def test_bad_moe_layer_schedule_is_one_error(tmp_path, field, value, why):
-    folder, _ = hf_folder(tmp_path, "moe")
+    msg = _refusal_of(tmp_path, "moe", field, value)
+    assert "\n" not in msg and f"config.json: {field}={value!r}: {why}" in msg, msg
+
+
+def _refusal_of(tmp_path, kind, field, value) -> str:
+    """The ConfigError a launch from a ``kind`` folder whose config.json sets ``field=value`` raises."""
+    folder, _ = hf_folder(tmp_path, kind)
     data = json.loads((folder / "config.json").read_text())
     data[field] = value
     (folder / "config.json").write_text(json.dumps(data))
     with pytest.raises(ConfigError) as err:
         prepare_job(["model=qwen3", f"model.hf={folder}", *SYNTH, "training.seq_len=16"], get_plugin_manager())
-    msg = str(err.value)
-    assert "\n" not in msg and f"config.json: {field}={value!r}: {why}" in msg, msg
+    return str(err.value)
 
 
 LAYOUTS = {  # 4 ranks
