@@ -1,6 +1,7 @@
-"""A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``),
-so that a test can send a real signal to a real rank process mid-run, and poisons one
-rank's last hidden states with NaN at chosen steps (``TITAN_TEST_NAN``)."""
+"""A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``)
+or inside the save of a chosen step (``TITAN_TEST_PARK_IN_SAVE=N``), so that a test can
+send a real signal to a real rank process mid-run or mid-save, and poisons one rank's
+last hidden states with NaN at chosen steps (``TITAN_TEST_NAN``)."""
 
 from __future__ import annotations
 
@@ -13,19 +14,48 @@ from titan_plugins.hookspecs import hookimpl
 TITAN_PLUGINS_API = ">=1.0,<2"
 
 
+def _park(run_dir: str, rank: int) -> None:
+    path = os.path.join(run_dir, f"parked-{rank}")
+    with open(f"{path}.tmp", "w") as f:
+        f.write(str(os.getpid()))
+    os.replace(f"{path}.tmp", path)  # the pid, for the test's signal
+    from titan_plugins.distributed.rank_signals import preemption_requested
+
+    deadline = time.monotonic() + 120  # the test kills a rank; the launcher stops this one
+    while time.monotonic() < deadline and preemption_requested() is None:
+        time.sleep(0.05)  # a preemption signal ends the wait: the trainer saves and stops
+
+
 @hookimpl
 def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, rank: int) -> None:
     park = int(os.environ.get("TITAN_TEST_PARK_AFTER", "0"))
     if park and step == park:
-        path = os.path.join(str(job_config.run_dir), f"parked-{rank}")
-        with open(f"{path}.tmp", "w") as f:
-            f.write(str(os.getpid()))
-        os.replace(f"{path}.tmp", path)  # the pid, for the test's signal
-        from titan_plugins.distributed.rank_signals import preemption_requested
+        _park(str(job_config.run_dir), rank)
 
-        deadline = time.monotonic() + 120  # the test kills a rank; the launcher stops this one
-        while time.monotonic() < deadline and preemption_requested() is None:
-            time.sleep(0.05)  # a preemption signal ends the wait: the trainer saves and stops
+
+@hookimpl
+def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
+    """``TITAN_TEST_PARK_IN_SAVE=N``: every rank parks inside the save of ``step-N``, once
+    DCP has written all of it to ``step-N.tmp`` (shards and ``.metadata``) and before the
+    manifest and the rename: the most complete a save gets without being complete."""
+    park = int(os.environ.get("TITAN_TEST_PARK_IN_SAVE", "0"))
+    if not park:
+        return
+    from titan_plugins.train import checkpoint
+
+    real = checkpoint.dcp
+
+    class _Parking:  # the checkpoint module's ``dcp``, parking after one save
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+        def save(self, *args: Any, checkpoint_id: str, **kwargs: Any) -> Any:
+            out = real.save(*args, checkpoint_id=checkpoint_id, **kwargs)
+            if os.path.basename(checkpoint_id) == f"step-{park}.tmp":
+                _park(run_dir, rank)
+            return out
+
+    checkpoint.dcp = _Parking()
 
 
 @hookimpl

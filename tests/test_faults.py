@@ -10,8 +10,10 @@ C  the next run finds step-6 (truncated .metadata) and step-4 (truncated and mis
    bit for bit like A, and a Ctrl-C to its process group ends it with exit 130.
 
 The next tests reuse A: SIGINT to a launcher in the background of a script, preemption
-on checkpoint.on_signal and its resume; then non-finite steps (stop and skip). After
-every job: no process of its session is left.
+on checkpoint.on_signal and its resume; then non-finite steps (stop and skip). Last, the
+faults on fine-tuning runs (a tiny qwen3): LoRA on chat data (adapter-only checkpoints,
+data-loader workers) and, extended, DPO, each against one reference run of its kind
+(FAULTS). After every job: no process of its session is left.
 """
 
 from __future__ import annotations
@@ -37,14 +39,15 @@ EXTRA = ["tiny_plugin", "fault_plugin"]
 TIMEOUT = 240
 
 
-def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: bool = False) -> subprocess.Popen:
+def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: bool = False,
+           base: list[str] = BASE) -> subprocess.Popen:
     """The launcher in a session of its own; ``background``: as ``launcher &`` in a shell
     script (it and its ranks inherit SIGINT ignored); the launcher's pid is then the
     first line of stderr."""
     added = rank_env(EXTRA, env)
     with _patched_env(added):
         pm = get_plugin_manager(strict=True)
-        _, job, dims = prepare_job([*BASE, *overrides], pm, run_dir=run_dir)
+        _, job, dims = prepare_job([*base, *overrides], pm, run_dir=run_dir)
     config = write_config(job, run_dir)
     cmd = [sys.executable, "-m", "titan_plugins.train.worker", str(config), str(dims.world_size)]
     if background:
@@ -55,8 +58,8 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: 
 
 def _left_behind(proc: subprocess.Popen, wait: float = 3.0) -> list[str]:
     """The processes of ``proc``'s session still alive ``wait`` s after it exited
-    (a process re-parented to init keeps its session)."""
-    time.sleep(wait)
+    (a process re-parented to init keeps its session; ``_finish`` noted the exit)."""
+    time.sleep(max(0.0, proc.ended + wait - time.monotonic()))
     left = []
     for entry in Path("/proc").iterdir():
         try:
@@ -74,6 +77,7 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
+    proc.ended = time.monotonic()
     return proc.returncode, out, err
 
 
@@ -235,3 +239,107 @@ def test_nonfinite_steps_stop_or_are_skipped(tmp_path):
     assert len(losses) == 6 and all(x == x for i, x in enumerate(losses) if i != 2), losses
     assert "warning: step 3: the loss is not finite on rank 1: optimizer step skipped" in out
     assert "non-finite  1 skipped (steps 3)" in out
+
+
+# ------------------------------------------------ the same faults on fine-tuning runs
+# Issue 40.4: a tiny qwen3 (the debug flavor, smaller) on 2 ranks, fsdp2, 6 steps, a
+# checkpoint every 2 steps, on each fine-tuning path: LoRA on chat data (adapter-only
+# checkpoints: the adapters, their optimizer state, the chat loader's position, data-loader
+# workers) and, extended, DPO on preference pairs (full fine-tuning: the policy and its
+# optimizer state).
+FT_BASE = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
+           "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false",
+           *(o for o in BASE if not o.startswith(("model=", "training.seq_len=")))]
+FINE_TUNING = {
+    "lora_chat": ["peft=lora", "data=chat_sample", "training.seq_len=64"],
+    "dpo": ["objective=dpo", "data=preference_sample", "training.seq_len=128"],
+}
+
+
+def _steps(run_dir: Path, first: int = 1, last: int = 6) -> list[tuple[float, float] | None]:
+    """(loss, grad norm) of steps ``first``..``last`` (the last record of a step wins)."""
+    result = read_result(run_dir)
+    by_step = dict(zip(result.steps, zip(result.losses, result.grad_norms)))
+    return [by_step.get(s) for s in range(first, last + 1)]
+
+
+def _names(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.fixture(scope="module", params=["lora_chat", pytest.param("dpo", marks=pytest.mark.extended)])
+def fine_tuning(request, tmp_path_factory) -> tuple[str, Path]:
+    """The uninterrupted reference run of one fine-tuning kind (checkpoints step-2, -4, -6)."""
+    ref_dir = tmp_path_factory.mktemp(request.param) / "ref"
+    code, _, err = _finish(_start(ref_dir, *FINE_TUNING[request.param], base=FT_BASE))
+    assert code == 0, err[-3000:]
+    return request.param, ref_dir
+
+
+# What each kind's job goes through after its reference run, each launch resuming the one
+# before: (what, whom, where the ranks park, the step it resumes from, the checkpoint
+# folder after it). "kill": SIGKILL of rank `whom`; "term": SIGTERM to the launcher (no
+# checkpoint.on_signal); "preempt": checkpoint.on_signal=`whom` and that signal to every
+# process of the job, as Slurm sends it (data-loader workers and the fork server too);
+# "end": on to step 6. In a save: every rank parked inside the save of step-4, DCP has
+# written all of it, the manifest and the rename have not happened.
+AFTER_3, IN_SAVE_4, AFTER_5 = ({"TITAN_TEST_PARK_AFTER": "3"}, {"TITAN_TEST_PARK_IN_SAVE": "4"},
+                               {"TITAN_TEST_PARK_AFTER": "5"})
+FAULTS = {
+    "lora_chat": [("kill", 0, IN_SAVE_4, 0, ["step-2", "step-4.tmp"]),  # rank 0 writes the manifest, renames
+                  ("term", None, AFTER_5, 2, ["step-2", "step-4"]),  # the unfinished save pruned by the next
+                  ("preempt", signal.SIGTERM, AFTER_5, 4, ["step-2", "step-4", "step-5"]),
+                  ("end", None, {}, 5, ["step-4", "step-5", "step-6"])],  # keep_last=3
+    "dpo": [("kill", 1, AFTER_3, 0, ["step-2"]),
+            ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
+            ("preempt", signal.SIGUSR1, AFTER_5, 2, ["step-2", "step-4", "step-5"]),
+            ("end", None, {}, 5, ["step-4", "step-5", "step-6"])],
+}
+
+
+def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
+    """The faults of FAULTS, one launch each. Every stop ends in one line and leaves no
+    process 3 s after; every launch resumes from the newest complete checkpoint and trains
+    each of its steps bit for bit like the uninterrupted run (loss and gradient norm);
+    the last ends at step 6 with the reference's steps 1-6."""
+    kind, ref_dir = fine_tuning
+    ref = _steps(ref_dir)
+    assert None not in ref, ref
+    if kind == "lora_chat":  # adapter-only checkpoints: no frozen base weight in them
+        import torch.distributed.checkpoint as dcp
+
+        keys = dcp.FileSystemReader(str(ref_dir / "checkpoints" / "step-2")).read_metadata().state_dict_metadata
+        weights = [k for k in keys if k.startswith("model.")]
+        assert weights and all(".lora_" in k for k in weights), sorted(keys)
+    run_dir, folder = tmp_path / "job", tmp_path / "job" / "checkpoints"
+    before: subprocess.Popen | None = None
+    for what, whom, park, start, after in FAULTS[kind]:
+        for p in run_dir.glob("parked-*"):
+            p.unlink()
+        on_signal = [f"checkpoint.on_signal={whom.name[3:]}"] if what == "preempt" else []
+        proc = _start(run_dir, *FINE_TUNING[kind], *on_signal, env=park, base=FT_BASE)
+        if park:
+            _wait_parked(run_dir, proc)
+        if before is not None:  # meanwhile (each launch has a session of its own)
+            assert _left_behind(before) == [], what
+        if what == "kill":
+            os.kill(_rank_pid(run_dir, whom), signal.SIGKILL)
+            lines, want = [f"error: rank {whom} was killed by signal SIGKILL"], 137
+        elif what == "term":
+            os.kill(proc.pid, signal.SIGTERM)
+            lines, want = ["error: terminated by signal SIGTERM"], 128 + signal.SIGTERM
+        elif what == "preempt":
+            os.killpg(proc.pid, whom)
+            lines, want = [f"preempted: {whom.name} at step 5: checkpoint {folder / 'step-5'} saved; exit 75: "
+                           "run the same command again to resume"], 75
+        else:
+            lines, want = [], 0
+        code, out, err = _finish(proc)
+        assert (_error_lines(err), code) == (lines, want), (what, err[-3000:])
+        assert (f"resumed from checkpoint {folder / f'step-{start}'} (step {start})" in out) == bool(start), what
+        last = int(next(iter(park.values()), 6))
+        assert _steps(run_dir, start + 1, last) == ref[start:last], what  # what this launch trained
+        assert _names(folder) == after, what
+        before = proc
+    assert _left_behind(before) == []
+    assert _steps(run_dir) == ref

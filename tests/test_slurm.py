@@ -4,14 +4,18 @@ root, no Slurm) every test here skips with one line.
 
 All runs start at once (one cluster, a node of 16 declared CPUs) and the tests read what
 they left: an sbatch job with two concurrent ``srun`` steps (one fails on rank 1), an
-sbatch job without ``srun`` (titan-run starts its own ranks in the allocation), an
-``salloc``, and a submitit sweep with two tasks per job (one job fails).
+sbatch job without ``srun`` (titan-run starts its own ranks in the allocation: the
+``--requeue`` recipe of docs/running.md as written, preempted after step 3 by the signal
+that ``--signal=B:USR1@T`` sends, requeued, resumed), an sbatch job whose ``srun`` step
+is preempted by ``scancel --signal=TERM`` (``checkpoint.on_signal=TERM``), requeued,
+resumed, an ``salloc``, and a submitit sweep with two tasks per job (one job fails).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -23,9 +27,10 @@ import pytest
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).parent)
-RUN = ("model=tiny training.seq_len=32 training.steps=2 training.local_batch_size=1 "
+RUN = ("model=tiny training.seq_len=32 training.steps=4 training.local_batch_size=1 "
        "metrics.tensorboard=false metrics.console=false")
 TIMEOUT = 300
+PREEMPT = "checkpoint=periodic checkpoint.interval=2"  # step-2 saved before the signal after step 3
 
 
 def _slurm_up() -> bool:
@@ -51,12 +56,16 @@ def slurm_cluster():
     subprocess.run(["bash", str(ROOT / "scripts" / "slurm" / "stop_cluster.sh")], capture_output=True, timeout=60)
 
 
-def _env() -> dict[str, str]:
+def _env(park_after: int = 0) -> dict[str, str]:
+    """``park_after``: the ranks wait after that step for a signal (``fault_plugin``)."""
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "PYTEST_", "TITAN_RUN_DIR")) and k not in
+           if not k.startswith(("SLURM_", "PYTEST_", "TITAN_RUN_DIR", "TITAN_TEST_")) and k not in
            ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TITAN_LAUNCHED_BY")}
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["TITAN_PLUGINS_EXTRA"] = "tiny_plugin"
+    if park_after:
+        env["TITAN_PLUGINS_EXTRA"] = "tiny_plugin,fault_plugin"
+        env["TITAN_TEST_PARK_AFTER"] = str(park_after)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH", "")) if p)
     env["OMP_NUM_THREADS"] = "1"
     return env
@@ -71,56 +80,126 @@ echo "steps $ok $failed"
 """
 
 
+# A job step preempted by Slurm's own signal (every process of the step gets it); the
+# step exits 75 and the script requeues.
+SRUN_TERM = f"""#!/bin/bash
+srun -n 2 --kill-on-bad-exit=1 titan-run {RUN} parallelism=fsdp2 {PREEMPT} checkpoint.on_signal=TERM
+code=$?
+echo "srun exit $code restarts ${{SLURM_RESTART_COUNT:-0}}"
+[ "$code" -eq 75 ] && scontrol requeue "$SLURM_JOB_ID"
+exit "$code"
+"""
+
+
+def docs_recipe() -> str:
+    """The sbatch ``--requeue`` recipe of docs/running.md ("Faults and resuming") as
+    written, but for the model and the number of tasks."""
+    text = (ROOT / "docs" / "running.md").read_text()
+    match = re.search(r"\n( +)#!/bin/bash\n\1#SBATCH -n 8 --time=4:00:00 --requeue.*?\n(?!\1)", text, re.S)
+    assert match, "docs/running.md: the sbatch --requeue recipe is gone"
+    indent = len(match.group(1))
+    script = "".join(line[indent:] + "\n" for line in match.group(0).strip("\n").splitlines())
+    for old, new in (("-n 8 ", "-n 2 "), ("titan-run model=qwen3 parallelism=fsdp8 ",
+                                          f"titan-run {RUN} parallelism=fsdp2 checkpoint.interval=2 ")):
+        assert script.count(old) == 1, (old, script)
+        script = script.replace(old, new)
+    return script
+
+
+class Preempted:
+    """A job whose ranks wait after step 3; then ``scancel SIGNAL_ARGS JOB``, and once the
+    job requeued itself it may start at once (Slurm holds a requeued job ~2 minutes)."""
+
+    def __init__(self, folder: Path, submit: subprocess.Popen, run_dir: str, scancel: list[str]) -> None:
+        self.folder, self.submit, self.run_dir, self.scancel = folder, submit, run_dir, scancel
+        self.job, self.signalled, self.state = "", False, ""
+
+    def _show(self) -> dict[str, str]:
+        out = subprocess.run(["scontrol", "-o", "show", "job", self.job], capture_output=True, text=True,
+                             timeout=20).stdout
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def poll(self) -> bool:
+        """One look; True once the job is over (or is gone from Slurm's records)."""
+        if not self.job:
+            if self.submit.poll() is None:
+                return False
+            stdout, stderr = self.submit.communicate()
+            assert self.submit.returncode == 0, stderr
+            self.job = stdout.strip().split(";")[0]
+        run_dir = self.folder / self.run_dir.format(job=self.job)
+        if not self.signalled and all((run_dir / f"parked-{r}").exists() for r in (0, 1)):
+            subprocess.run(["scancel", *self.scancel, self.job], check=True, timeout=20)
+            self.signalled = True
+        info = self._show()
+        self.state = f"{info.get('JobState')} restarts {info.get('Restarts')}"
+        if info.get("JobState") == "PENDING" and info.get("Restarts", "0") != "0":
+            subprocess.run(["scontrol", "update", f"jobid={self.job}", "StartTime=now"], timeout=20)
+        return not info or info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
 @pytest.fixture(scope="module")
 def runs(slurm_cluster, tmp_path_factory):
     """Start every kind of run at once; wait for all; hand over their folders and outputs."""
     base = tmp_path_factory.mktemp("slurm")
-    dirs = {name: base / name for name in ("steps", "batch", "salloc", "sweep")}
+    dirs = {name: base / name for name in ("steps", "batch", "srun_term", "salloc", "sweep")}
     for d in dirs.values():
         d.mkdir()
     (dirs["steps"] / "steps.sh").write_text(STEPS)
+    (dirs["batch"] / "recipe.sh").write_text(docs_recipe())
+    (dirs["srun_term"] / "job.sh").write_text(SRUN_TERM)
     commands = {
         "steps": ["sbatch", "--wait", "-n", "4", "-o", "job.out", "steps.sh"],
-        "batch": ["sbatch", "--wait", "-n", "2", "-o", "job.out", "--wrap", f"titan-run {RUN} parallelism=fsdp2"],
         # two tasks allocated, no step: SLURM_NTASKS=2 without SLURM_PROCID (was a KeyError)
         "salloc": ["salloc", "-n", "2", "titan-run", *RUN.split()],
         "sweep": ["titan-run", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
                   "hydra.launcher.timeout_min=10", *RUN.split(), "parallelism=fsdp2", "model.fail_on_rank=-1,1"],
     }
+    preempted = {  # what --signal=B:USR1@T sends to the batch shell; Slurm's SIGTERM to a step
+        "batch": (["sbatch", "--parsable", "-o", "job.out", "recipe.sh"], "outputs/job-{job}", ["--batch", "--signal=USR1"]),
+        "srun_term": (["sbatch", "--parsable", "-n", "2", "--requeue", "--open-mode=append", "-o", "job.out", "job.sh"],
+                      "outputs/slurm-{job}.0", ["--signal=TERM"]),
+    }
     start = time.monotonic()
     procs = {name: subprocess.Popen(cmd, cwd=dirs[name], env=_env(), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True) for name, cmd in commands.items()}
+    jobs = {name: Preempted(dirs[name], subprocess.Popen(cmd, cwd=dirs[name], env=_env(park_after=3),
+                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
+                            run_dir, scancel)
+            for name, (cmd, run_dir, scancel) in preempted.items()}
     out = {}
     try:
+        waiting = dict(jobs)
+        while waiting:
+            waiting = {name: job for name, job in waiting.items() if not job.poll()}
+            assert time.monotonic() - start < TIMEOUT, {name: job.state for name, job in waiting.items()}
+            time.sleep(0.5)
         for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+            stdout, stderr = proc.communicate(timeout=max(1.0, TIMEOUT - (time.monotonic() - start)))
             out[name] = (proc.returncode, stdout, stderr)
     finally:
         for proc in procs.values():
             proc.kill()
+        for job in jobs.values():
+            if job.job:
+                subprocess.run(["scancel", job.job], capture_output=True, timeout=20)
     print(f"slurm runs: {time.monotonic() - start:.1f} s", file=sys.stderr)
-    return dirs, out
+    return dirs, out, {name: job.job for name, job in jobs.items()}
 
 
 def _result(run_dir: Path) -> dict:
     return json.loads((run_dir / "result.json").read_text())
 
 
-def _losses(run_dir: Path) -> list[float]:
-    from titan_plugins.train.api import read_result
-
-    return read_result(run_dir).losses
-
-
 def test_srun_steps_of_one_job_run_side_by_side_each_in_its_own_run_directory(runs):
-    dirs, out = runs
+    dirs, out, _ = runs
     log = (dirs["steps"] / "job.out").read_text()
     step_dirs = sorted((dirs["steps"] / "outputs").glob("slurm-*.*"))
     assert len(step_dirs) == 2, log
     results = [_result(d) for d in step_dirs]
     ok = [r for r in results if r["status"] == "ok"]
     assert len(ok) == 1, log
-    assert ok[0]["steps"] == 2 and ok[0]["launch"]["by"] == "slurm" and ok[0]["launch"]["world_size"] == 2
+    assert ok[0]["steps"] == 4 and ok[0]["launch"]["by"] == "slurm" and ok[0]["launch"]["world_size"] == 2
     (job_id,) = {r["launch"]["slurm_job_id"] for r in results}  # one job ...
     assert {r["launch"]["slurm_step_id"] for r in results} == {"0", "1"}  # ... two steps
     assert {d.name for d in step_dirs} == {f"slurm-{job_id}.0", f"slurm-{job_id}.1"}
@@ -128,7 +207,7 @@ def test_srun_steps_of_one_job_run_side_by_side_each_in_its_own_run_directory(ru
 
 
 def test_a_failing_rank_ends_its_step_with_one_error_line(runs):
-    dirs, out = runs
+    dirs, out, _ = runs
     log = (dirs["steps"] / "job.out").read_text()
     assert "steps 0 " in log and "steps 0 0" not in log, log  # the failing step exited non-zero
     errors = [line for line in log.splitlines() if line.startswith("error:")]
@@ -137,22 +216,70 @@ def test_a_failing_rank_ends_its_step_with_one_error_line(runs):
     assert failed[0]["error"].startswith("rank 1 crashed: RuntimeError: tiny: injected failure on rank 1")
 
 
-def test_sbatch_without_srun_starts_its_own_ranks_like_a_workstation(runs):
-    dirs, out = runs
-    code, stdout, stderr = out["batch"]
-    log = (dirs["batch"] / "job.out").read_text()
-    assert code == 0, log
-    (run_dir,) = (dirs["batch"] / "outputs").glob("*/*")  # the default, claimed directory
-    result = _result(run_dir)
-    assert result["status"] == "ok" and result["steps"] == 2, result
-    assert result["launch"]["by"] == "titan-run" and result["launch"]["slurm_job_id"]
-    # the same run as the srun step's: Slurm tasks as ranks train bit for bit like spawned ranks
+def _steps(run_dir: Path) -> list[tuple[float, float]]:
+    from titan_plugins.train.api import read_result
+
+    result = read_result(run_dir)
+    return list(zip(result.losses, result.grad_norms))
+
+
+def _srun_ok(dirs: dict[str, Path]) -> Path:
     (srun_ok,) = [d for d in (dirs["steps"] / "outputs").glob("slurm-*") if _result(d)["status"] == "ok"]
-    assert _losses(srun_ok) == _losses(run_dir)
+    return srun_ok
+
+
+def test_sbatch_without_srun_starts_its_own_ranks_like_a_workstation(runs):
+    dirs, out, jobs = runs
+    log = (dirs["batch"] / "job.out").read_text()
+    run_dir = dirs["batch"] / "outputs" / f"job-{jobs['batch']}"  # the recipe's hydra.run.dir
+    result = _result(run_dir)
+    assert result["status"] == "ok" and result["steps"] == 4, log
+    assert result["launch"]["by"] == "titan-run" and result["launch"]["slurm_job_id"] == jobs["batch"]
+    # the same run as the srun step's: Slurm tasks as ranks train bit for bit like spawned ranks
+    # (this one was also preempted after step 3 and resumed: the next test)
+    assert _steps(_srun_ok(dirs)) == _steps(run_dir)
+
+
+def test_the_docs_sbatch_recipe_saves_on_the_batch_signal_requeues_and_resumes_bit_for_bit(runs):
+    """docs/running.md's recipe as written: USR1 to the batch shell (what
+    ``--signal=B:USR1@180`` sends 3 minutes before the time limit), which passes it on to
+    titan-run; the ranks save step-3, titan-run exits 75, the script requeues the job, and
+    the requeued job (same job id, same run directory) resumes from step-3: steps 1-4
+    equal the uninterrupted srun step's, loss and gradient norm."""
+    dirs, out, jobs = runs
+    log = (dirs["batch"] / "job.out").read_text()
+    run_dir = dirs["batch"] / "outputs" / f"job-{jobs['batch']}"
+    step3 = run_dir.resolve() / "checkpoints" / "step-3"
+    assert (f"preempted: SIGUSR1 at step 3: checkpoint {step3} saved; exit 75: run the same command again to "
+            "resume") in log.splitlines(), log
+    assert f"resumed from checkpoint {step3} (step 3)" in log, log
+    info = subprocess.run(["scontrol", "-o", "show", "job", jobs["batch"]], capture_output=True, text=True).stdout
+    assert "JobState=COMPLETED" in info and "Restarts=1 " in info and "ExitCode=0:0" in info, info
+    assert _steps(run_dir) == _steps(_srun_ok(dirs))
+
+
+def test_an_srun_step_saves_on_slurms_sigterm_exits_75_and_resumes_bit_for_bit(runs):
+    """``checkpoint.on_signal=TERM`` under ``srun --kill-on-bad-exit``: ``scancel
+    --signal=TERM`` reaches every process of the step; both ranks save step-3 and exit
+    75, so does srun (a rank still shutting down used to be killed by Slurm when the
+    first had exited: 143, no requeue); the requeued job's step (``slurm-<job>.0``
+    again) resumes from step-3 and trains step 4 like the uninterrupted srun step."""
+    dirs, out, jobs = runs
+    log = (dirs["srun_term"] / "job.out").read_text()
+    run_dir = dirs["srun_term"] / "outputs" / f"slurm-{jobs['srun_term']}.0"
+    step3 = run_dir.resolve() / "checkpoints" / "step-3"
+    assert [line for line in log.splitlines() if line.startswith("srun exit")] == [
+        "srun exit 75 restarts 0", "srun exit 0 restarts 1"], log
+    assert f"preempted: SIGTERM at step 3: checkpoint {step3} saved; exit 75" in log, log
+    assert "Traceback" not in log, log
+    assert f"resumed from checkpoint {step3} (step 3)" in log, log
+    result = _result(run_dir)
+    assert result["status"] == "ok" and result["steps"] == 4 and result["launch"]["by"] == "slurm", result
+    assert _steps(run_dir) == _steps(_srun_ok(dirs))
 
 
 def test_salloc_runs_titan_run_in_the_allocation(runs):
-    dirs, out = runs
+    dirs, out, _ = runs
     code, stdout, stderr = out["salloc"]
     assert code == 0, stderr[-3000:]
     (run_dir,) = (dirs["salloc"] / "outputs").glob("*/*")
@@ -161,7 +288,7 @@ def test_salloc_runs_titan_run_in_the_allocation(runs):
 
 
 def test_submitit_sweep_one_directory_all_jobs_listed_failure_fails_the_sweep(runs):
-    dirs, out = runs
+    dirs, out, _ = runs
     code, stdout, stderr = out["sweep"]
     assert code == 1, stdout[-3000:] + stderr[-3000:]
     (sweep,) = (dirs["sweep"] / "multirun").glob("*/*")  # one directory for the sweep

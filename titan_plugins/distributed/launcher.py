@@ -109,11 +109,21 @@ def launch(
         # before the fork server starts: the ranks inherit the server's environment.
         failure_dir = tempfile.mkdtemp(prefix="titan-failures-")
         os.environ[FAILURE_DIR_ENV] = failure_dir
+        # The helpers started from here on (fork server, resource tracker) ignore the
+        # forwarded signals: a signal to every process of the job (`scancel --full
+        # --signal=USR1`, `kill -USR1 -- -PGID`) killed them, and the job with them.
+        ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in forward}
         try:
             if config.start_method == "forkserver":
                 _start_fork_server()
+            else:
+                from multiprocessing import resource_tracker
+
+                resource_tracker.ensure_running()  # the ranks', started by the first one otherwise
             return _launch(config, _RankEntry(entry), config_path, error_file, failure_dir, tuple(forward))
         finally:
+            for sig, handler in ignored.items():
+                signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             os.environ.pop(FAILURE_DIR_ENV, None)
             _end_job(reaper, config.start_method, tracker_before)
             shutil.rmtree(failure_dir, ignore_errors=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from typing import Any
 
 import torch
@@ -52,6 +53,39 @@ def check_on_signal(job: Any) -> None:
                           "checkpoint.enabled=true (or checkpoint=periodic)")
 
 
+def _spare_data_workers(sig: signal.Signals) -> None:
+    """This rank's data-loader workers live through ``sig`` from anyone but their parent.
+
+    Slurm signals every process of a step (``scancel --signal``, SIGTERM at the time
+    limit), and torch's workers end on a SIGTERM that does not come from their parent:
+    the rank then failed with "DataLoader worker ... is killed by signal" instead of
+    saving. A worker has nothing to save, but it must still end when its parent
+    terminates it (the loader's and multiprocessing's shutdown), so it does not simply
+    ignore the signal: a thread takes it (``sigwaitinfo`` names the sender) and ends the
+    worker only when the parent sent it, the rule torch's own handler applies. Set where
+    the workers (torch's and torchdata's) install their handlers, after them."""
+    from torch.utils.data._utils import signal_handling
+
+    original = signal_handling._set_worker_signal_handlers
+    if getattr(original, "titan_spares", None) == sig:
+        return
+
+    def set_worker_signal_handlers(*args: Any) -> None:
+        original(*args)
+        parent = os.getppid()
+        signal.pthread_sigmask(signal.SIG_BLOCK, {sig})  # this thread and every later one
+
+        def take() -> None:
+            while True:
+                if signal.sigwaitinfo({sig}).si_pid == parent:
+                    os._exit(0)  # as torch's handler does on its parent's SIGTERM
+
+        threading.Thread(target=take, name="titan-spare-signal", daemon=True).start()
+
+    set_worker_signal_handlers.titan_spares = sig  # type: ignore[attr-defined]
+    signal_handling._set_worker_signal_handlers = set_worker_signal_handlers
+
+
 class Preemption:
     """Installed on every rank when ``checkpoint.on_signal`` is set."""
 
@@ -59,6 +93,7 @@ class Preemption:
         self.signal = signal_of(job.checkpoint.get("on_signal"))
         self.device = device
         if self.signal is not None:
+            _spare_data_workers(self.signal)
             install_preemption(self.signal)
 
     def due(self) -> signal.Signals | None:
@@ -79,6 +114,13 @@ class Preemption:
                 "run the same command again to resume")
         from titan_plugins.failures import FAILURE_DIR_ENV
 
+        # Saved: what is left is to exit 75. Under `srun --kill-on-bad-exit` the first rank
+        # to exit makes Slurm SIGTERM the others, and Python's shutdown puts the default
+        # action back on signals it handles: a rank still shutting down died of it and
+        # the step ended 143, not 75. Ignored signals stay ignored through shutdown
+        # (SIGKILL after Slurm's KillWait still ends a rank that hangs).
+        for ignored in {signal.SIGTERM, self.signal or sig}:
+            signal.signal(ignored, signal.SIG_IGN)
         folder = os.environ.get(FAILURE_DIR_ENV)
         if rank == 0 and folder:
             path = os.path.join(folder, PREEMPTED_FILE)
