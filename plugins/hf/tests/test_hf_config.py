@@ -77,8 +77,12 @@ def test_unknown_architecture_names_the_supported_list(tmp_path, folder):
 
 
 @pytest.mark.parametrize("layout, match", [
-    (["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"],
-     "does not support parallelism.ep=2"),
+    (["parallelism.ep=2", "parallelism.dp_shard=2", "parallelism.world_size=2", "model.flavor=tiny_llama"],
+     "parallelism.ep=2: LlamaForCausalLM has no experts"),
+    (["parallelism.ep=3", "parallelism.dp_shard=3", "parallelism.world_size=3", "model.flavor=tiny_mixtral"],
+     "parallelism.ep=3: MixtralForCausalLM has 4 experts, not divisible by it"),
+    (["parallelism=fsdp2_tp2_ep2_etp2", "model.flavor=tiny_qwen3_moe", "parallelism.sequence_parallel=false"],
+     "parallelism.etp=2: model=hf shards whole experts"),
     (["parallelism.tp=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"], "declares no tensor-parallel plan"),
     (["parallelism.pp=2", "parallelism.world_size=2", "model.flavor=tiny_gemma3"], "enable_weight_tying=true"),
     (["parallelism.tp=4", "parallelism.world_size=4", "model.flavor=tiny_llama"], "model.n_kv_heads=2 is not divisible"),
@@ -112,3 +116,19 @@ def test_plan_at_64_ranks_in_one_process():
     plan = make_plan(spec, typed_job(job), pm)
     assert plan.world_size == 64 and plan.degrees["tp"] == 2 and plan.degrees["pp"] == 2
     assert len(plan.ranks) == 2 and all(r.memory.numel > 0 for r in plan.ranks)
+
+
+def test_expert_parallel_plan_at_32_ranks_in_one_process():
+    """``plan=true`` with transformers' expert-parallel plan on the fake process group:
+    dp_shard 16 x tp 2 with ep 4 on Mixtral (experts 1 per EP rank)."""
+    from titan_plugins.config.hydra_glue import compose, resolve_job
+    from titan_plugins.plan import make_plan
+    from titan_plugins.train.api import typed_job
+
+    pm = get_plugin_manager(strict=True)
+    spec, job = resolve_job(compose(["model=hf", "model.flavor=tiny_mixtral", *SYNTH, "parallelism.dp_shard=16",
+                                     "parallelism.tp=2", "parallelism.ep=4", "parallelism.sequence_parallel=false",
+                                     "plan=true"], pm), pm)
+    plan = make_plan(spec, typed_job(job), pm)
+    assert plan.world_size == 32 and plan.degrees["ep"] == 4
+    assert all(r.memory.numel > 0 for r in plan.ranks)

@@ -1,5 +1,6 @@
 """The core's conformance kit, run on model=hf as on any third party's plugin (on the
-tiny Llama flavor; the multi-rank parity runs are test_hf_parallel's, on a folder)."""
+tiny Llama flavor, its EP checks on tiny Mixtral; the multi-rank parity runs are
+test_hf_parallel's, on a folder)."""
 
 from titan_plugins.testing import ConformanceSuite
 
@@ -7,4 +8,5 @@ from titan_plugins.testing import ConformanceSuite
 class TestHFConformance(ConformanceSuite):
     model_name = "hf"
     overrides = ["model.flavor=tiny_llama"]
+    ep_overrides = ["model.flavor=tiny_mixtral"]
     parity = ()

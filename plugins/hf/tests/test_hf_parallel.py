@@ -1,12 +1,18 @@
-"""``titan-run model=hf model.hf=DIR`` through the real trainer (launched ranks, gloo):
+"""``titan-run model=hf model.hf=DIR`` through the real trainer (gloo ranks), every layout
+equal to one rank within 1e-5 over 3 fp32 steps on the same global batch:
 
-- one rank's step-1 loss equals the plain transformers model's on the same batch;
-- fsdp2 and fsdp2_tp2 (sequence parallel on) equal one rank within 1e-5 over 3 steps.
+- one rank's step-1 loss equals the plain transformers model's on the same batch (Gemma 3);
+- ``make test``: Gemma 3 fsdp2 and fsdp2_tp2 (tied embeddings, scaled embedding, sliding +
+  full layers, per-head q/k norms whose TP gradient must be summed; SP and loss parallel
+  on), Mistral pp2, Mixtral fsdp2_ep2 (transformers' expert-parallel plan);
+- extended: Llama fsdp2_tp2 and pp2, Qwen3 fsdp2_tp2, Mistral, Phi-3, OLMo-2 and Mixtral
+  on fsdp2, fsdp2_tp2 and pp2, Phi-3 tp2
+  without SP and pp2_tp2, Mixtral tp2_ep2, Qwen3-MoE fsdp2_ep2 and fsdp2_tp2_ep2, GPT-OSS
+  pp2, fsdp2 with full activation checkpointing and fsdp2_ep2.
 
-On tiny Gemma 3 (tied embeddings, scaled embedding buffer, sliding + full layers,
-per-head q/k norms whose TP gradient must be summed): the structure most likely to
-break a generic wrapper. Every run starts from the folder's weights, so no seed
-checkpoint is needed.
+Mixtral's and Qwen3-MoE's TP layouts run without SP (their plan leaves the MoE block
+out). The jobs of one world size share one launch (``train_in_one_launch``), and every
+run starts from the folder's weights, so no seed checkpoint is needed.
 """
 
 from __future__ import annotations
@@ -15,41 +21,85 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-api = pytest.importorskip("titan_plugins.train.api")
-from titan_hf.testing import reference_model, save_folder  # noqa: E402
+from titan_hf.testing import reference_model, save_folder, train_in_one_launch  # noqa: E402
 
 from titan_plugins.compare.runner import match_global_batch  # noqa: E402
 
 STEPS = 3
 COMMON = ["model=hf", "data=synthetic", "data.vocab_size=256", f"training.steps={STEPS}",
           "training.deterministic=true", "training.seq_len=16", "training.local_batch_size=4",
-          "training.lr=1e-3", "training.warmup_steps=0"]
-TIMEOUT = 300
+          "training.lr=1e-3", "training.warmup_steps=0", "metrics.tensorboard=false", "metrics.console=false"]
+NO_SP = "parallelism.sequence_parallel=false"
+# layout -> (world size, overrides)
+LAYOUTS: dict[str, tuple[int, list[str]]] = {
+    "fsdp2": (2, ["parallelism=fsdp2"]),
+    "pp2": (2, ["parallelism=pp2"]),
+    "tp2_nosp": (2, ["parallelism=tp2", NO_SP]),
+    "fsdp2_ac": (2, ["parallelism=fsdp2", "training.activation_checkpoint=full"]),
+    "fsdp2_ep2": (2, ["parallelism=fsdp2_ep2"]),
+    "tp2_ep2_nosp": (2, ["parallelism=tp2_ep2", NO_SP]),
+    "fsdp2_tp2": (4, ["parallelism=fsdp2_tp2"]),
+    "fsdp2_tp2_nosp": (4, ["parallelism=fsdp2_tp2", NO_SP]),
+    "pp2_tp2": (4, ["parallelism=pp2_tp2"]),
+    "fsdp2_tp2_ep2_nosp": (4, ["parallelism=fsdp2_tp2_ep2", NO_SP]),
+}
+DEFAULT = [("tiny_gemma3", "fsdp2"), ("tiny_gemma3", "fsdp2_tp2"), ("tiny_mistral", "pp2"),
+           ("tiny_mixtral", "fsdp2_ep2")]
+EXTENDED = [
+    ("tiny_llama", "fsdp2_tp2"), ("tiny_llama", "pp2"), ("tiny_qwen3", "fsdp2_tp2"),
+    ("tiny_mistral", "fsdp2"), ("tiny_mistral", "fsdp2_tp2"),
+    ("tiny_phi3", "fsdp2"), ("tiny_phi3", "fsdp2_tp2"), ("tiny_phi3", "pp2"), ("tiny_phi3", "tp2_nosp"),
+    ("tiny_phi3", "pp2_tp2"),
+    ("tiny_olmo2", "fsdp2"), ("tiny_olmo2", "fsdp2_tp2"), ("tiny_olmo2", "pp2"),
+    ("tiny_mixtral", "fsdp2"), ("tiny_mixtral", "fsdp2_tp2_nosp"), ("tiny_mixtral", "pp2"),
+    ("tiny_mixtral", "tp2_ep2_nosp"),
+    ("tiny_qwen3_moe", "fsdp2_ep2"), ("tiny_qwen3_moe", "fsdp2_tp2_ep2_nosp"),
+    ("tiny_gpt_oss", "pp2"), ("tiny_gpt_oss", "fsdp2_ac"), ("tiny_gpt_oss", "fsdp2_ep2"),
+]
+TIMEOUT = 600
+
+
+def _train(work, cases: list[tuple[str, str]]) -> dict[str, tuple]:
+    """Each flavor's one-rank baseline and every ``(flavor, layout)`` of ``cases``, one
+    launch per world size; ``"<flavor>/<layout>" -> (losses, config path)``."""
+    flavors = dict.fromkeys(flavor for flavor, _ in cases)
+    base = {f: [*COMMON, f"model.hf={save_folder(f, work / f)}", "parallelism=single"] for f in flavors}
+    out: dict[str, tuple] = {}
+    for world in sorted({LAYOUTS[layout][0] for _, layout in cases}):
+        ranks = {}
+        for flavor, layout in cases:
+            if LAYOUTS[layout][0] == world:
+                test = [*base[flavor][:-1], *LAYOUTS[layout][1]]
+                ranks[f"{flavor}/{layout}"] = match_global_batch(base[flavor], test)[0]
+        alone = {f"{f}/single": argv for f, argv in base.items()} if not out else {}
+        out.update(train_in_one_launch(work / f"world{world}", world=world, alone=alone, ranks=ranks,
+                                       timeout=TIMEOUT))
+    return out
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    work = tmp_path_factory.mktemp("hf_parallel")
-    folder = save_folder("tiny_gemma3", work / "gemma3")
-    out = {}
-    for name, layout in (("single", "single"), ("fsdp2", "fsdp2"), ("fsdp2_tp2", "fsdp2_tp2")):
-        base = [*COMMON, f"model.hf={folder}", "parallelism=single"]
-        overrides, _ = match_global_batch(base, [*COMMON, f"model.hf={folder}", f"parallelism={layout}"])
-        result = api.run(overrides, run_dir=work / name, timeout=TIMEOUT)
-        assert result.ok, f"{name}: {result.error}\n{result.stderr[-3000:]}"
-        assert len(result.losses) == STEPS
-        out[name] = result
-    return folder, out
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("hf_parallel")
 
 
-def _first_batch(result) -> torch.Tensor:
+@pytest.fixture(scope="module")
+def runs(work):
+    return _train(work, DEFAULT)
+
+
+@pytest.fixture(scope="module")
+def more_runs(tmp_path_factory):
+    return _train(tmp_path_factory.mktemp("hf_parallel_more"), EXTENDED)
+
+
+def _first_batch(config_path):
     """The ids of one rank's first step, rebuilt from its resolved config."""
     from omegaconf import OmegaConf
 
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.data import build_dataloader, build_tokenizer
 
-    job = OmegaConf.load(result.run_dir / "config.yaml")
+    job = OmegaConf.load(config_path)
     data = job.data
     loader = build_dataloader(data, build_tokenizer(data), dp_rank=0, dp_world=1,
                               local_batch_size=int(job.training.local_batch_size),
@@ -60,40 +110,79 @@ def _first_batch(result) -> torch.Tensor:
     return batch[0], batch[1]
 
 
-@pytest.mark.slow
-def test_step1_loss_equals_transformers(runs):
-    folder, out = runs
-    inputs, labels = _first_batch(out["single"])
-    ref = reference_model(folder)
-    with torch.no_grad():
-        logits = ref(inputs).logits
-    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
-    assert abs(out["single"].losses[0] - float(want)) <= 1e-5, (out["single"].losses[0], float(want))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp2", "fsdp2_tp2"])
-def test_layout_equals_one_rank(runs, layout):
-    _, out = runs
-    base, got = out["single"].losses, out[layout].losses
-    assert max(abs(a - b) for a, b in zip(base, got, strict=True)) <= 1e-5, (base, got)
+def _assert_equals_one_rank(out, flavor: str, layout: str) -> None:
+    base, got = out[f"{flavor}/single"][0], out[f"{flavor}/{layout}"][0]
+    assert len(base) == len(got) == STEPS, (base, got)
+    assert max(abs(a - b) for a, b in zip(base, got, strict=True)) <= 1e-5, (flavor, layout, base, got)
     assert base[0] != base[-1]  # it trained
 
 
 @pytest.mark.slow
+def test_step1_loss_equals_transformers(runs, work):
+    losses, config = runs["tiny_gemma3/single"]
+    inputs, labels = _first_batch(config)
+    ref = reference_model(work / "tiny_gemma3")
+    with torch.no_grad():
+        logits = ref(inputs).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    assert abs(losses[0] - float(want)) <= 1e-5, (losses[0], float(want))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavor, layout", DEFAULT)
+def test_layout_equals_one_rank(runs, flavor, layout):
+    _assert_equals_one_rank(runs, flavor, layout)
+
+
+@pytest.mark.slow
 @pytest.mark.extended
-def test_moe_pp2_and_fsdp2_ac_equal_one_rank(tmp_path):
-    """GPT-OSS (fused MoE experts, sinks, sliding + full layers, eager attention): pp2
-    (embeddings first, norm + head last, rotary on both stages) and fsdp2 with full
-    activation checkpointing equal one rank within 1e-5 over 3 steps."""
-    folder = save_folder("tiny_gpt_oss", tmp_path / "gpt_oss")
-    base = [*COMMON, f"model.hf={folder}", "parallelism=single"]
-    single = api.run(base, run_dir=tmp_path / "single", timeout=TIMEOUT)
-    assert single.ok, single.error
-    for name, layout in (("pp2", ["parallelism=pp2"]),
-                         ("fsdp2_ac", ["parallelism=fsdp2", "training.activation_checkpoint=full"])):
-        overrides, _ = match_global_batch(base, [*COMMON, f"model.hf={folder}", *layout])
-        result = api.run(overrides, run_dir=tmp_path / name, timeout=TIMEOUT)
-        assert result.ok, f"{name}: {result.error}"
-        diff = max(abs(a - b) for a, b in zip(single.losses, result.losses, strict=True))
-        assert diff <= 1e-5, (name, single.losses, result.losses)
+@pytest.mark.parametrize("flavor, layout", EXTENDED)
+def test_more_layouts_equal_one_rank(more_runs, flavor, layout):
+    _assert_equals_one_rank(more_runs, flavor, layout)
+
+
+def _parallelized_on_a_fake_rank(flavor: str, par: dict):
+    """``flavor`` built on meta and parallelized as rank 0 of ``par``'s world (fake group)."""
+    from titan_hf.config import FLAVORS
+    from titan_hf.model import build
+    from titan_hf.parallelize import parallelize
+
+    from titan_plugins.plan.fake_world import fake_world
+    from titan_plugins.testing.model_parts import layout
+
+    world = par.get("dp_shard", 1) * par.get("tp", 1)
+    with fake_world(0, world):
+        dims, job = layout(par)
+        with torch.device("meta"):
+            model = build(FLAVORS[flavor])
+        return parallelize(model, dims, job), dims
+
+
+def test_tp_without_fsdp_leaves_no_plain_parameter():
+    """One fused AdamW call steps every parameter without FSDP and refuses a mix of
+    DTensors and tensors: what the TP plan leaves (norms without SP, the MoE router) is
+    replicated on tp."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    model, _ = _parallelized_on_a_fake_rank("tiny_mixtral", {"tp": 2, "sequence_parallel": False})
+    plain = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    assert not plain, plain
+    for name in ("layers.0.input_layernorm.weight", "layers.0.mlp.gate.weight", "norm.weight"):
+        assert model.get_parameter(name).placements == (Replicate(),), name
+
+
+def test_expert_parallel_places_whole_experts_on_each_rank():
+    """transformers' base_model_ep_plan on ep2: each rank holds 2 of Mixtral's 4 experts
+    (``Shard(0)`` on the ep mesh), and the experts module dispatches tokens to them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    model, _ = _parallelized_on_a_fake_rank("tiny_mixtral", {"dp_shard": 2, "ep": 2})
+    experts = model.layers["1"].mlp.experts
+    assert experts.num_experts == 2  # the local count the dispatcher and the experts' kernel read
+    assert "forward" in vars(experts)  # transformers' dispatching forward, installed on the module
+    for name in ("gate_up_proj", "down_proj"):
+        p = experts.get_parameter(name)
+        assert isinstance(p, DTensor) and p.shape[0] == 4, name
+        # FSDP's expert_fsdp mesh (size 1 here) outside, whole experts over ep inside
+        assert p.device_mesh.mesh_dim_names == ("expert_fsdp", "ep") and p.placements[-1] == Shard(0), name
+        assert p.to_local().shape[0] == 2, name

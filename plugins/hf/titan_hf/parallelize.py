@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titan_hf.validate import layer_plan, validate
+from titan_hf.validate import expert_plan, layer_plan, validate
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
 from titan_plugins.distributed.fsdp import apply_fsdp
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from titan_hf.model import HFCausalLM
     from titan_plugins.distributed.parallel_dims import ParallelDims
 
-__all__ = ["apply_tp", "parallelize", "torch_style"]
+__all__ = ["apply_ep", "apply_tp", "parallelize", "torch_style"]
 
 _GATHERING = ("colwise", "colwise_gather_output")  # their parent module all-gathers its input under SP
 
@@ -117,6 +117,54 @@ def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parall
     model.seq_shards = tp_mesh.size() if sp else 1
 
 
+def apply_ep(model: HFCausalLM, ep_mesh, tp_mesh) -> str:
+    """transformers' own ``base_model_ep_plan`` on this stage's layers: expert weights
+    ``Shard(0)`` (whole experts) on ``ep_mesh``, and the experts module's forward
+    replaced by transformers' all-to-all token dispatch (``AllToAllEP`` in training;
+    ``tp_mesh`` = the ranks holding the same batch). Returns the experts module's path
+    inside a layer, for FSDP."""
+    from transformers.distributed.expert_parallel import apply_expert_parallelism
+
+    plan = expert_plan(model.hf_config)
+    concrete = {f"layers.{key}.{path}": style for key in model.layers for path, style in plan.items()}
+    # parameters first: sharding them sets the module's local expert count the dispatcher reads
+    params = dict(model.named_parameters())
+    ordered = dict(sorted(concrete.items(), key=lambda kv: kv[0] not in params))
+    apply_expert_parallelism(model, ep_mesh, tp_mesh, ordered)
+    return next(path for path, style in plan.items() if style == "ep_dispatch_experts")
+
+
+def _swap_in_local(module: nn.Module, _args) -> None:
+    module._titan_dtensor_params = dict(module._parameters)
+    module._parameters.update({n: p.to_local() for n, p in module._titan_dtensor_params.items()
+                               if n in module._titan_replicated})
+
+
+def _swap_back(module: nn.Module, _args, _output) -> None:
+    module._parameters.update(module._titan_dtensor_params)
+
+
+def replicate_plain_params(model: nn.Module, tp_mesh) -> None:
+    """Without FSDP one fused AdamW call steps every parameter, and it refuses a mix of
+    DTensors and plain tensors: the parameters the TP plan left plain (norms without SP,
+    an MoE router) become ``Replicate()`` DTensors on ``tp``, and their module computes on
+    the local tensors. Their inputs are replicated over ``tp`` there, so each rank's
+    gradient is already the whole one (no reduction needed)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    for module in model.modules():
+        plain = [n for n, p in module.named_parameters(recurse=False) if not isinstance(p, DTensor)]
+        if not plain:
+            continue
+        for name in plain:
+            p = module._parameters[name]
+            module._parameters[name] = nn.Parameter(distribute_tensor(p.data, tp_mesh, [Replicate()], src_data_rank=None),
+                                                    requires_grad=p.requires_grad)
+        module._titan_replicated = frozenset(plain)
+        module.register_forward_pre_hook(_swap_in_local)
+        module.register_forward_hook(_swap_back, always_call=True)
+
+
 def _check_layers(model: HFCausalLM) -> None:
     """FSDP/AC/compile units are the decoder layers: they must be what the architecture
     itself declares unsplittable."""
@@ -135,8 +183,14 @@ def parallelize(model: HFCausalLM, parallel_dims: ParallelDims, job_config: Dict
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=bool(par.sequence_parallel),
                  loss_parallel=bool(par.loss_parallel))
+    experts = None
+    if parallel_dims.ep_enabled:
+        experts = apply_ep(model, parallel_dims.mesh("ep"), parallel_dims.mesh("tp"))
+    if parallel_dims.tp_enabled and parallel_dims.dp_shard * parallel_dims.dp_replicate == 1:
+        replicate_plain_params(model, parallel_dims.mesh("tp"))  # FSDP would make them DTensors itself
     apply_activation_checkpointing(model, job_config, layers_attr="layers")
     apply_compile(model, job_config, layers_attr="layers")
     # Tied embeddings stay one FSDP parameter: apply_fsdp keeps them in the root unit.
-    apply_fsdp(model, parallel_dims, job_config, layers_attr="layers")
+    # Under EP the experts are their own unit on the expert_fsdp mesh.
+    apply_fsdp(model, parallel_dims, job_config, layers_attr="layers", experts_attr=experts)
     return model

@@ -27,10 +27,8 @@ def titan_register_models(register):
                 last_stage_modules=("norm", "output"),
             ),
             # What the hook implements; validate() refuses in one line what a folder's
-            # structure cannot take (no TP plan, tied + PP). No EP: transformers 5 fuses
-            # MoE experts into one module with its own routing loop, which has no token
-            # dispatch across ranks (shard the experts with dp_shard instead).
-            capabilities=Capabilities(fsdp=True, tp=True, ep=False, pp=True),
+            # structure cannot take (no TP plan, no EP plan or no experts, tied + PP).
+            capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
             description="any transformers 5.x causal LM folder (Llama, Mistral, Qwen3, Gemma 3, Phi-3, OLMo-2, GPT-OSS, Mixtral, Qwen3-MoE)",
         )
     )

@@ -10,18 +10,58 @@ from titan_plugins.errors import ConfigError
 if TYPE_CHECKING:
     from titan_plugins.distributed.parallel_dims import ParallelDims
 
-__all__ = ["layer_plan", "validate"]
+__all__ = ["expert_plan", "layer_plan", "validate"]
 
 #: transformers' TP style names this plugin maps onto torch's styles (titan_hf.parallelize)
 TP_STYLES = frozenset({"colwise", "rowwise", "colwise_gather_output", "rowwise_split_input",
                        "replicated_with_grad_allreduce", "embedding_rowwise"})
 
 
+#: transformers' EP style names this plugin applies (transformers' own expert_parallel styles)
+EP_STYLES = frozenset({"grouped_gemm", "ep_dispatch_experts"})
+
+
+def _per_layer(plan: dict[str, str] | None) -> dict[str, str]:
+    return {k[len("layers.*."):]: v for k, v in (plan or {}).items() if k.startswith("layers.*.")}
+
+
 def layer_plan(hf: Any) -> dict[str, str]:
     """The decoder-layer part of the model's ``base_model_tp_plan``, keyed by the module
     path inside one layer (``self_attn.q_proj``)."""
-    plan = dict(getattr(hf, "base_model_tp_plan", None) or {})
-    return {k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
+    return _per_layer(getattr(hf, "base_model_tp_plan", None))
+
+
+def expert_plan(hf: Any) -> dict[str, str]:
+    """The decoder-layer part of the model's ``base_model_ep_plan`` (``mlp.experts.down_proj:
+    grouped_gemm``, ``mlp.experts: ep_dispatch_experts``)."""
+    return _per_layer(getattr(hf, "base_model_ep_plan", None))
+
+
+def _check_ep(config: HFModelConfig, hf: Any, values: dict[str, Any], dims: ParallelDims) -> None:
+    arch, ep = config.architecture, dims.ep
+    experts = values.get("num_local_experts") or values.get("num_experts")
+    if not experts:
+        raise ConfigError(f"parallelism.ep={ep}: {arch} has no experts")
+    plan = expert_plan(hf)
+    if "ep_dispatch_experts" not in plan.values():
+        raise ConfigError(f"parallelism.ep={ep}: {arch} declares no expert-parallel plan for its decoder layers "
+                          "(transformers' base_model_ep_plan); shard its experts with dp_shard")
+    odd = sorted({s for s in plan.values() if s not in EP_STYLES})
+    if odd:
+        raise ConfigError(f"parallelism.ep={ep}: {arch}'s base_model_ep_plan uses style {odd[0]!r}, which "
+                          f"model=hf does not apply (it applies {', '.join(sorted(EP_STYLES))})")
+    if experts % ep:
+        raise ConfigError(f"parallelism.ep={ep}: {arch} has {experts} experts, not divisible by it")
+    try:  # transformers' EP code (token dispatch included) arrived within 5.x
+        import transformers.distributed.expert_parallel  # noqa: F401
+    except ImportError:
+        import transformers
+
+        raise ConfigError(f"parallelism.ep={ep}: transformers {transformers.__version__} has no "
+                          "transformers.distributed.expert_parallel; model=hf's EP is tested with 5.25") from None
+    if dims.etp > 1:  # transformers' plan places whole experts; it has no expert tensor parallelism
+        raise ConfigError(f"parallelism.etp={dims.etp}: model=hf shards whole experts over parallelism.ep "
+                          "(transformers' base_model_ep_plan); set parallelism.etp=1")
 
 
 def _check_tp(config: HFModelConfig, hf: Any, tp: int) -> None:
@@ -56,11 +96,7 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
                           f"{config.architecture} with eager attention only")
     n_layers = config.n_layers
     if parallel_dims.ep > 1:
-        experts = values.get("num_local_experts") or values.get("num_experts")
-        why = (f"{config.architecture} has no experts" if not experts else
-               f"{config.architecture}'s experts are one fused module; model=hf has no token dispatch for it "
-               "(shard them with dp_shard instead)")
-        raise ConfigError(f"parallelism.ep={parallel_dims.ep}: {why}")
+        _check_ep(config, hf, values, parallel_dims)
     if parallel_dims.tp > 1:
         _check_tp(config, hf, parallel_dims.tp)
     if parallel_dims.pp > 1 and config.enable_weight_tying:
