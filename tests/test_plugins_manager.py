@@ -253,7 +253,10 @@ def test_api_range_shown_by_titan_run_list(capsys: pytest.CaptureFixture[str]) -
     out = capsys.readouterr().out
     assert f"(plugin API {API_VERSION})" in out.splitlines()[0]
     block = out.split("\nqwen3  ", 1)[1]
-    assert block.splitlines()[1].strip() == "api:      >=1.0,<2"
+    from titan_plugins.plugins import declared_api_range
+
+    assert block.splitlines()[1].strip() == f"api:      {declared_api_range('titan_qwen3.plugin')}"
+    assert declared_api_range("titan_qwen3.plugin") == ">=1.1,<2"  # what its source says
 
 
 def test_bad_searchpath_entry(pm: Any) -> None:
