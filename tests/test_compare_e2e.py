@@ -88,6 +88,7 @@ TINY_MOE = ("model=qwen3 model.flavor=debugmodel_moe model.dim=32 model.n_layers
             "training.seq_len=16 metrics.tensorboard=false metrics.console=false")
 
 
+@pytest.mark.extended  # ~30 s; test_fsdp2_equals_one_rank_accumulating_two_microbatches runs the compare end to end
 def test_documented_parity_case_passes_over_ten_steps(tmp_path, capsys):
     """The docs' example (one rank against FSDP x TP) with EP too: every float-reordering
     row of the tolerance policy at once (reduce-scatter, TP/SP partial sums, loss

@@ -59,8 +59,9 @@ def _baseline(base_overrides: list[str], work):
     return _baselines[name]
 
 
-# fsdp2_tp2 alone is left to make test-all (extended): fsdp2_tp2_pp2 and the etp case cover it.
-_EXTENDED = {"fsdp2_tp2"}
+# Left to make test-all (extended), for the suite's time: fsdp2_tp2 (the etp case covers
+# FSDP x TP) and fsdp2_tp2_pp2 (pp2_tp2 on iRoPE covers the pipeline with TP).
+_EXTENDED = {"fsdp2_tp2", "fsdp2_tp2_pp2"}
 
 
 @pytest.mark.slow

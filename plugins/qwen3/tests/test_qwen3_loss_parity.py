@@ -32,11 +32,14 @@ BASES = {
                          "model.enable_weight_tying=false", "model.attn_mask=block_causal",
                          "model.eos_id=10", "data=builtin"],
 }
+# Left to make test-all (extended), for the suite's time: TP without sequence parallel
+# (test_fused_loss and the LoRA layout tests run it) and plain pp2 (pp2_tp2 covers it).
+_EXTENDED = pytest.mark.extended
 CASES = [
     ("tied", ["parallelism=fsdp2_tp2"]),  # sequence parallel on
-    ("tied", ["parallelism=tp2", "parallelism.sequence_parallel=false"]),
+    pytest.param("tied", ["parallelism=tp2", "parallelism.sequence_parallel=false"], marks=_EXTENDED),
     ("moe", ["parallelism=fsdp2_tp2_ep2"]),
-    ("untied", ["parallelism=pp2"]),
+    pytest.param("untied", ["parallelism=pp2"], marks=_EXTENDED),
     ("untied_documents", ["parallelism=pp2_tp2"]),  # later stage has no tok_embeddings
 ]
 TIMEOUT = 300
@@ -63,7 +66,8 @@ def _baseline(name: str, work):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("base_name, parallel", CASES, ids=[" ".join(p) for _, p in CASES])
+@pytest.mark.parametrize("base_name, parallel", CASES,
+                         ids=[" ".join(c.values[1] if hasattr(c, "values") else c[1]) for c in CASES])
 def test_loss_parity(workdir, base_name, parallel):
     seed, base, base_losses = _baseline(base_name, workdir)
     test = [*BASES[base_name], *parallel, f"checkpoint.init_from={seed}"]
