@@ -116,3 +116,38 @@ def test_ranks_import_what_the_launcher_imports(tmp_path):
     assert probe["titan_plugins"] == titan_plugins.__file__  # not tmp_path/titan_plugins
     assert "" not in probe["sys_path"] and str(tmp_path) not in probe["sys_path"]
     assert probe["pythonpath"] == TESTS and probe["safepath"] is None  # the user's environment
+
+
+def _terminated_rank(_config_path):
+    """A rank that Slurm stops (``srun --kill-on-bad-exit`` after a peer failed): SIGTERM
+    arrives while it works."""
+    import signal
+    import time
+
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # not reached: the handler raises first
+    raise AssertionError("SIGTERM did not end the rank")
+
+
+def test_rank_0_writes_its_result_when_slurm_terminates_it(tmp_path, monkeypatch):
+    """``result.json`` "whatever happened": a SIGTERM to rank 0 ends it through the same
+    report as a crash (exit 143, the error named), not by dying where it stands."""
+    import signal
+
+    from titan_plugins.distributed.external import RankSteps, run_external_rank
+    from titan_plugins.train.run_files import write_result
+
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "localhost", "MASTER_PORT": "29999",
+                       "TITAN_LAUNCHED_BY": "slurm", "SLURM_JOB_ID": "9", "SLURM_STEP_ID": "0"}.items():
+        monkeypatch.setenv(key, value)
+    steps = RankSteps(write_config=lambda _job, run_dir: Path(run_dir) / "config.yaml",
+                      run_rank=_terminated_rank, write_result=write_result)
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = run_external_rank(None, tmp_path / "run", key="TITAN_RUN_DIR", overrides="", job_name="0",
+                                 steps=steps)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert code == 143 and result["status"] == "failed" and result["returncode"] == 143, result
+    assert result["error"].splitlines()[0] == "rank 0 crashed: Terminated: terminated by SIGTERM", result

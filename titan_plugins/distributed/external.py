@@ -164,6 +164,7 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
         config_path = run_dir / "config.yaml"
     env[FAILURE_DIR_ENV] = str(failures)  # every rank records its failure there
     code, error = 0, None
+    _terminate_as_exit()
     try:
         rank_steps.run_rank(config_path)  # records a failure in FAILURE_DIR_ENV before its teardown
     except BaseException as exc:  # noqa: BLE001 - one report for the step, no traceback wall
@@ -182,6 +183,25 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
         with contextlib.suppress(OSError):  # a full disk: the error line is printed already
             rank_steps.write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
     return code
+
+
+def _terminate_as_exit() -> None:
+    """SIGTERM ends this rank through the ``except`` above instead of killing it where it
+    stands: under ``srun --kill-on-bad-exit`` Slurm sends it to the step's other tasks
+    when one fails, and rank 0 must still write ``result.json`` (the first failure's line,
+    exit 143). Only where nothing else handles SIGTERM (a preemption handler, installed
+    later by the trainer, replaces this one)."""
+    import signal
+
+    class Terminated(SystemExit):
+        def __str__(self) -> str:
+            return f"terminated by {signal.Signals(self.code - 128).name}"
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Terminated(128 + signum)
+
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, handler)
 
 
 def _exit_code(exc: BaseException) -> int:
