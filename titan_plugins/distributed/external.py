@@ -164,10 +164,11 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
         config_path = run_dir / "config.yaml"
     env[FAILURE_DIR_ENV] = str(failures)  # every rank records its failure there
     code, error = 0, None
-    _terminate_as_exit()
+    terminating = _TerminateAsExit()
     try:
         rank_steps.run_rank(config_path)  # records a failure in FAILURE_DIR_ENV before its teardown
     except BaseException as exc:  # noqa: BLE001 - one report for the step, no traceback wall
+        terminating.stop()  # a second SIGTERM must not cut the report short
         if isinstance(exc, SystemExit) and not exc.code:
             code = 0
         else:
@@ -179,29 +180,41 @@ def run_external_rank(job: Any, run_dir: Path, *, key: str, overrides: str, job_
                 print(failure_line(error), file=sys.stderr, flush=True)
             if rank == 0:
                 write_error_file(run_dir, error)
+    terminating.stop()
     if rank == 0:
         with contextlib.suppress(OSError):  # a full disk: the error line is printed already
             rank_steps.write_result(run_dir, job=job_name, overrides=overrides, returncode=code, error=error)
     return code
 
 
-def _terminate_as_exit() -> None:
+class _TerminateAsExit:
     """SIGTERM ends this rank through the ``except`` above instead of killing it where it
     stands: under ``srun --kill-on-bad-exit`` Slurm sends it to the step's other tasks
     when one fails, and rank 0 must still write ``result.json`` (the first failure's line,
-    exit 143). Only where nothing else handles SIGTERM (a preemption handler, installed
-    later by the trainer, replaces this one)."""
-    import signal
+    exit 143). Installed only where nothing else handles SIGTERM (the preemption handler,
+    installed later by the trainer, replaces it); ``stop`` ignores SIGTERM from then on if
+    this handler is still the one in place, so the report itself is never interrupted."""
 
-    class Terminated(SystemExit):
-        def __str__(self) -> str:
-            return f"terminated by {signal.Signals(self.code - 128).name}"
+    def __init__(self) -> None:
+        import signal
 
-    def handler(signum: int, _frame: object) -> None:
-        raise Terminated(128 + signum)
+        class Terminated(SystemExit):
+            def __str__(self) -> str:
+                return f"terminated by {signal.Signals(self.code - 128).name}"
 
-    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, handler)
+        def handler(signum: int, _frame: object) -> None:
+            raise Terminated(128 + signum)
+
+        self._handler = handler
+        self._installed = signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+        if self._installed:
+            signal.signal(signal.SIGTERM, handler)
+
+    def stop(self) -> None:
+        import signal
+
+        if self._installed and signal.getsignal(signal.SIGTERM) is self._handler:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _exit_code(exc: BaseException) -> int:
