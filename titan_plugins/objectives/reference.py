@@ -132,16 +132,10 @@ def precomputed_reference(trainer: Any) -> PrecomputedReference:
         store = ReferenceStore.load(path, meta)
         return PrecomputedReference(store, trainer.device, len(store.values))
     policy = Reference(trainer.model, None)  # the starting weights (adapters off under LoRA)
-    loss_parallel = trainer.dims.tp_enabled and bool(job.parallelism.loss_parallel)
 
     def values_of(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
-        context = contextlib.nullcontext()
-        if loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel as tp_loss
-
-            context = tp_loss()
-        with context:  # as the train step calls the reference (step.py)
+        with trainer._loss_context():  # as the train step calls the reference (step.py)
             return policy(inputs, lambda out: objective.reference_stats(out, labels))
 
     def batches() -> Any:

@@ -100,7 +100,9 @@ class Trainer:
             from titan_plugins.peft.checkpoint import load_adapter_folder
 
             load_adapter_folder(self.model.parts, spec, model_config(job.model, spec), job)
-        # before the reference: a precomputed reference also scores the validator's rows
+        # before the reference: a precomputed reference also scores the validator's rows,
+        # under the loss context the train step uses (_loss_context)
+        self.loss_parallel = self.dims.tp_enabled and bool(job.parallelism.loss_parallel)
         self.validator = Validator(self) if job.validation.enabled else None
         self.reference = None
         if self.objective.needs_reference:  # from the starting weights, loaded above
@@ -124,7 +126,6 @@ class Trainer:
         )
         self.dp_group = self.dims.mesh("dp").get_group() if self.dims.dp_enabled else None
         self.pp_group = self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None
-        self.loss_parallel = self.dims.tp_enabled and bool(job.parallelism.loss_parallel)
         self.nonfinite = NonFiniteGuard(job.training.get("nonfinite", "stop"),
                                         job.training.get("nonfinite_max_skips", 5),
                                         rank=self.rank, world=self.world, device=self.device)
