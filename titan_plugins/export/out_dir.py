@@ -60,7 +60,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from titan_plugins.errors import ConfigError
+from titan_plugins.errors import ConfigError, os_errors_behind
 
 __all__ = ["KINDS", "MARKER", "OutDirError", "claim_out_dir", "export_kind", "publish_dir", "staging_dir",
            "write_export"]
@@ -328,20 +328,6 @@ def _locked(out: Path, given: str) -> Iterator[None]:
         os.close(fd)
 
 
-def _os_error(exc: BaseException) -> OSError | None:
-    """The OS error behind ``exc``: itself, its cause or context, or one that a library
-    reported as text (safetensors: ``... No space left on device (os error 28)``)."""
-    seen: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and not any(e is s for s in seen):
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        seen.append(e)
-        e = e.__cause__ or e.__context__
-    m = re.search(r"\(os error (\d+)\)", str(exc))
-    return OSError(int(m[1]), os.strerror(int(m[1]))) if m else None
-
-
 def write_export(out: str | os.PathLike, kind: str, fill: Callable[[Path], None]) -> Path:
     """An export of ``kind`` at ``out`` (claimed before: ``claim_out_dir``): ``fill``
     writes the files into a new staging folder next to ``out``, which then replaces
@@ -367,7 +353,7 @@ def write_export(out: str | os.PathLike, kind: str, fill: Callable[[Path], None]
     except Exception as exc:
         if isinstance(exc, ConfigError):
             raise
-        os_error = _os_error(exc)
+        os_error = next(os_errors_behind(exc), None)
         if os_error is None:
             raise
         name = errno.errorcode.get(os_error.errno, str(os_error.errno))

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from titan_plugins.errors import ConfigError, TitanError
+from titan_plugins.errors import ConfigError, TitanError, os_errors_behind
 from titan_plugins.peft.checkpoint import checkpoint_filter
 from titan_plugins.peft.lora import is_adapter_key
 from titan_plugins.train.optimizer import resync_lr
@@ -65,27 +65,7 @@ class CheckpointError(TitanError):
 
 def _is_enospc(exc: BaseException) -> bool:
     """ENOSPC anywhere in ``exc``: its cause/context chain or DCP's per-rank failures."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return True
-        todo += [x for x in (e.__cause__, e.__context__) if x is not None]
-        failures = getattr(e, "failures", None)  # CheckpointException: rank -> exception (or traceback wrapper)
-        if isinstance(failures, dict):
-            for f in failures.values():
-                inner = f[0] if isinstance(f, tuple) else getattr(f, "exc", f)
-                if isinstance(inner, BaseException):
-                    todo.append(inner)
-                elif "No space left on device" in str(f):
-                    return True
-        if "No space left on device" in str(e) or "[Errno 28]" in str(e):
-            return True
-    return False
+    return any(e.errno == errno.ENOSPC for e in os_errors_behind(exc))
 
 
 def write_manifest(path: Path) -> dict[str, int]:
