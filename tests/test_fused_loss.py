@@ -105,21 +105,56 @@ def test_one_chunk_is_bitwise():
 
 def test_no_grad_path_and_memory_of_the_logits():
     """Validation (no_grad) takes the chunked path too; under grad, the forward keeps no
-    ``[positions, vocab]`` tensor alive (only the chunks' inputs are saved)."""
+    ``[positions, vocab]`` tensor alive: a trainable head keeps the gradients it computed
+    in the forward (hidden states' ``[positions, dim]``, the head's ``[vocab, dim]``, which
+    its ``.grad`` holds anyway), a frozen one only the hidden states'."""
     spec, model = _model("qwen3")
-    vocab = model.output.weight.shape[0]
+    vocab, dim = model.output.weight.shape
     inputs, labels = _batch(vocab)
+    positions = labels.numel()
     defer_head(model, _head_name(spec), chunk_size=4, vocab_parallel=False)
     with torch.no_grad():
         want = token_loss_sum(model(inputs), labels)
-    hidden = model(inputs)
-    saved: list[torch.Size] = []  # what the loss's forward keeps for its backward
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
-        got = token_loss_sum(hidden, labels)
-    torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-6)
-    assert saved and not any(vocab in s for s in saved), saved  # no logits, no head weight view
-    got.backward()  # the recompute, chunk by chunk
-    assert model.output.weight.grad is not None
+    for trains_head in (True, False):
+        model.output.weight.requires_grad_(trains_head)
+        hidden = model(inputs)
+        saved: list[torch.Size] = []  # what the loss's forward keeps for its backward
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+            got = token_loss_sum(hidden, labels)
+        torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-6)
+        allowed = {(positions, dim), (vocab, dim)} if trains_head else {(positions, dim)}
+        assert saved and {tuple(s) for s in saved} <= allowed, saved  # no logits, no chunk of them
+        got.backward()
+        assert (model.output.weight.grad is not None) == trains_head
+        model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("fn", [token_loss_sum, token_nll], ids=["sum", "nll"])
+def test_fused_equals_whole_logits_with_a_frozen_head(fn):
+    """LoRA's case: the head (and the tied embedding) frozen; the gradients computed in
+    the forward reach the rest of the model as the whole-logits path's do, for the
+    summed loss and for the per-position one (preference objectives)."""
+    spec, model = _model("qwen3")
+    model.output.weight.requires_grad_(False)
+    inputs, labels = _batch(model.output.weight.shape[0])
+    want, want_g = _loss_and_grads(model, inputs, labels, fn)
+    defer_head(model, _head_name(spec), chunk_size=5, vocab_parallel=False)
+    weights = torch.rand(labels.shape, generator=torch.Generator().manual_seed(2))
+    got, got_g = _loss_and_grads(model, inputs, labels, fn)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert sorted(got_g) == sorted(want_g) and "output.weight" not in got_g
+    for key in want_g:
+        _assert_within_scale(got_g[key], want_g[key], key)
+    if fn is token_nll:  # a per-position upstream gradient (not all ones) reaches each row
+        model.zero_grad(set_to_none=True)
+        (fn(model(inputs), labels) * weights).sum().backward()
+        got_w = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        restore_head(model, _head_name(spec))
+        model.zero_grad(set_to_none=True)
+        (fn(model(inputs), labels) * weights).sum().backward()
+        for n, p in model.named_parameters():
+            if p.grad is not None:
+                _assert_within_scale(got_w[n], p.grad, n)
 
 
 class _Softcapped(torch.nn.Module):
@@ -151,10 +186,15 @@ def test_bias_and_dtype_follow_the_head():
     from titan_plugins.train.fused_loss import chunked_ce
 
     got = chunked_ce(h, labels, ref, ignore_index=IGNORE_INDEX, reduction="sum")
+    got_g = torch.autograd.grad(2.5 * got, (h, head.weight, head.bias))
     want = torch.nn.functional.cross_entropy(
         torch.nn.functional.linear(h, head.weight.bfloat16(), head.bias.bfloat16()).flatten(0, 1).float(),
         labels.flatten(), reduction="sum")
+    want_g = torch.autograd.grad(2.5 * want, (h, head.weight, head.bias))
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_g, want_g):  # bf16 products: the head's and bias's sums run in fp32 here
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)
 
 
 # ------------------------------------------------------------ 2 gloo ranks

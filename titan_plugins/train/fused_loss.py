@@ -4,10 +4,21 @@
 spec's ``PipelineInfo.last_stage_modules``, an ``nn.Linear``) return its *input*, the
 final hidden states, tagged with a :class:`HeadRef` (the weight the forward saw, the
 chunk size, whether the vocabulary is TP-sharded). :func:`chunked_ce` then computes
-the logits ``chunk_size`` positions at a time, each chunk under activation
-checkpointing: the forward keeps only the hidden states, the backward recomputes one
-chunk's logits at a time, so neither the ``[positions, vocab]`` logits nor their
-gradient exist whole. The price is one more head matmul per step (the recompute).
+the logits ``chunk_size`` positions at a time, so neither the ``[positions, vocab]``
+logits nor their gradient exist whole. Two ways, by what the gradient needs:
+
+- gradients in the forward (:class:`_ForwardGradCE`, the default where the head is a
+  plain tensor): each chunk's logits give the loss *and* ``softmax - one-hot`` at once,
+  projected back through the head right away (the hidden states' gradient, and the
+  head's own when it trains); the backward only scales what was kept by the incoming
+  gradient. As many head matmuls as the whole-logits path, no recompute (the technique
+  of Liger-Kernel's fused linear cross-entropy). For the summed loss always; for the
+  per-position loss (``token_nll``, preference objectives) when the head is frozen
+  (LoRA), since a per-row weight for the head's own gradient is only known in the
+  backward;
+- checkpointed chunks otherwise (a TP-sharded head, loss parallel, a trainable head
+  under ``token_nll``): the forward keeps only the hidden states, the backward
+  recomputes one chunk's logits at a time: one more head matmul per step.
 
 The losses (``train/loss.py``) see the tag and take this path; anything else takes the
 old one. The head is called without its module hooks (a TP plan's output hook would
@@ -146,6 +157,73 @@ def _chunk_nll(h: torch.Tensor, labels: torch.Tensor, ref: HeadRef, ignore_index
     return F.cross_entropy(_logits(h, ref), labels, reduction="none", ignore_index=ignore_index)
 
 
+class _ForwardGradCE(torch.autograd.Function):
+    """Cross-entropy of ``h W^T + b`` against ``y`` chunk by chunk, each chunk's gradient
+    computed in the forward (see the module doc). ``reduction="sum"``: a scalar, any of
+    ``h``, ``W``, ``b`` may train; ``"none"``: per position, only ``h`` may train.
+
+    The loss values are the very ops of ``F.cross_entropy`` (log-softmax, then NLL) on
+    the same chunk logits; the gradient is ``exp(log-softmax) - one-hot`` (0 on ignored
+    rows) in the logits' dtype, as autograd hands it to the head's matmul. The head's
+    and bias's gradients accumulate over chunks in fp32. Backward once only."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, y, chunk, ignore_index, reduction):  # noqa: PLR0913
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        w = weight if weight.dtype == h.dtype else weight.to(h.dtype)
+        b = None if bias is None else bias.to(h.dtype)
+        grad_h = torch.empty_like(h) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        losses = []
+        for start in range(0, h.shape[0], chunk):
+            hc, yc = h[start:start + chunk], y[start:start + chunk]
+            lsm = F.linear(hc, w, b).float().log_softmax(-1)
+            losses.append(F.nll_loss(lsm, yc, reduction=reduction, ignore_index=ignore_index))
+            g = lsm.exp_()  # softmax, in place of the log-softmax (no longer needed)
+            counted = yc != ignore_index
+            rows = counted.nonzero().squeeze(1)
+            g[rows, yc[rows]] -= 1.0
+            g[~counted] = 0.0
+            g = g.to(h.dtype)
+            if need_h:
+                torch.mm(g, w, out=grad_h[start:start + chunk])
+            if need_w:
+                grad_w += (g.t() @ hc).float()
+            if need_b:
+                grad_b += g.sum(0).float()
+            del lsm, g
+        ctx.reduction, ctx.dtypes = reduction, (weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b)
+        if reduction == "sum":
+            total = losses[0]
+            for part in losses[1:]:
+                total = total + part
+            return total
+        return torch.cat(losses)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        if ctx.reduction == "sum":
+            grad_h = None if grad_h is None else grad_h * grad_out.to(grad_h.dtype)
+            grad_w = None if grad_w is None else (grad_w * grad_out).to(ctx.dtypes[0])
+            grad_b = None if grad_b is None else (grad_b * grad_out).to(ctx.dtypes[1])
+        else:  # per position: each row of the hidden states' gradient by its own weight
+            grad_h = None if grad_h is None else grad_h * grad_out.unsqueeze(1).to(grad_h.dtype)
+        return grad_h, grad_w, grad_b, None, None, None, None
+
+
+def _forward_grad_applies(h: torch.Tensor, ref: HeadRef, reduction: str) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    if not torch.is_grad_enabled() or isinstance(h, DTensor) or isinstance(ref.weight, DTensor):
+        return False
+    trains_head = ref.weight.requires_grad or (ref.bias is not None and ref.bias.requires_grad)
+    return reduction == "sum" or not trains_head
+
+
 def chunked_ce(hidden: torch.Tensor, labels: torch.Tensor, ref: HeadRef, *, ignore_index: int,
                reduction: str) -> torch.Tensor:
     """``reduction="sum"``: the summed token cross-entropy; ``"none"``: per position
@@ -154,6 +232,12 @@ def chunked_ce(hidden: torch.Tensor, labels: torch.Tensor, ref: HeadRef, *, igno
     y = labels.flatten(0, 1)
     fn = _chunk_sum if reduction == "sum" else _chunk_nll
     step = ref.chunk_size if ref.chunk_size > 0 else h.shape[0]
+    if step >= h.shape[0]:
+        out = fn(h, y, ref, ignore_index)  # one chunk: the very ops of the whole-logits path
+        return out if reduction == "sum" else out.view(labels.shape)
+    if _forward_grad_applies(h, ref, reduction):
+        out = _ForwardGradCE.apply(h, ref.weight, ref.bias, y, step, ignore_index, reduction)
+        return out if reduction == "sum" else out.view(labels.shape)
     parts = []
     for start in range(0, h.shape[0], step):
         args = (h[start:start + step], y[start:start + step], ref, ignore_index)
