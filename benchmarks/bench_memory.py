@@ -71,7 +71,7 @@ def _ours(args, method: str, fused: bool):
                                         f"peft.rank={args.rank}", f"peft.alpha={2.0 * args.rank}"]
     spec, job, _ = prepare_job(["model=qwen3", f"model.hf={args.base}", "model.attn_backend=sdpa",
                                 "data.name=synthetic", f"training.seq_len={args.seq}", *peft], pm)
-    model = one_process_model(spec, job, args.base, quantize=method == "qlora")
+    model = one_process_model(spec, job, args.base)
     if fused:
         defer_head(model, spec.pipeline.last_stage_modules[-1], chunk_size=args.chunk, vocab_parallel=False)
     opt = build_optimizer(model, job.training)

@@ -48,7 +48,7 @@ def _model(base, method, *extra):
     """One process, as a run builds it: meta, adapters, to_empty, init, quantize, model.hf."""
     pm = get_plugin_manager()
     spec, job, _ = prepare_job(_args(base, method, *extra), pm)
-    model = one_process_model(spec, job, base, quantize=method == "qlora")
+    model = one_process_model(spec, job, base)
     if method == "qlora":  # every adapted base weight is stored in NF4
         assert all(type(m.weight).__name__ == "NF4Tensor" for _, m in adapter_modules(model))
     gen = torch.Generator().manual_seed(3)  # as if trained a little: B non-zero, A and B get gradients
@@ -104,8 +104,48 @@ def test_qlora_refuses_pp_and_ep_in_one_line(base, layout):
 
 
 # ------------------------------------------------------------ 2 gloo ranks
+# Wide enough that FSDP shards most 4-bit weights (whole blocks of 256 scales per rank);
+# k/v (one scale block) stay replicated, so both kinds run side by side.
+WIDE = dict(DENSE, hidden_size=256, intermediate_size=512, head_dim=32)
+
+
+@pytest.fixture(scope="module")
+def wide_base(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qlora") / "wide"
+    torch.manual_seed(0)
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**WIDE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+    return path
+
+
 def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _nf4_local(weight):
+    """``(NF4 tensor this rank stores, whether FSDP shards it)``."""
+    local = getattr(weight, "_local_tensor", weight)
+    return local, local is not weight
+
+
+def _nf4_bytes(nf4) -> int:
+    return sum(getattr(nf4, a).nbytes for a in ("quantized_data", "quantized_scalers", "quantization_factor"))
+
+
+def _unsharded_weights(model) -> dict:
+    """Every adapted base weight as the forward sees it (FSDP gathers, then dequantized)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    blocks = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for block in blocks:
+        block.unshard()
+    out = {name: dequantized(module.weight).clone() for name, module in adapter_modules(model)}
+    for block in blocks:
+        block.reshard()
+    return out
 
 
 def _layout_rank(rank: int, world: int, base: str) -> dict:
@@ -114,6 +154,8 @@ def _layout_rank(rank: int, world: int, base: str) -> dict:
 
     pm = get_plugin_manager()
     ref = _model(base, "qlora", "parallelism=fsdp2")  # built whole, on this rank alone
+    ref_weights = {name: dequantized(m.weight) for name, m in adapter_modules(ref)}
+    ref_bytes = {name: _nf4_bytes(m.weight) for name, m in adapter_modules(ref)}
     want_loss, want = _loss_and_grads(ref)
     out = {}
     for layout in ("fsdp2", "tp2"):
@@ -123,6 +165,8 @@ def _layout_rank(rank: int, world: int, base: str) -> dict:
         torch.manual_seed(0)
         model = build_model_parts(spec, job, dims, torch.device("cpu"), pm).parts[0]
         load_hf_weights([model], spec, model_config(job.model, spec), base, verbose=False)
+        stored = {name: _nf4_local(m.weight) for name, m in adapter_modules(model)}
+        gathered = _unsharded_weights(model)
         gen = torch.Generator().manual_seed(3)
         with torch.no_grad():
             from titan_plugins.peft.lora import set_full
@@ -147,24 +191,37 @@ def _layout_rank(rank: int, world: int, base: str) -> dict:
             "loss": (loss.item(), want_loss.item()),
             "grad_diff": max((got[k] - want[k]).abs().max().item() for k in want),
             "grad_max": max(want[k].abs().max().item() for k in want),
-            "nf4": sum(type(m.weight).__name__ == "NF4Tensor" for _, m in adapter_modules(model)),
+            "nf4": sum(type(local).__name__ == "NF4Tensor" for local, _ in stored.values()),
+            "sharded": sum(sharded for _, sharded in stored.values()),
             "adapters": len(want),
+            # bitwise the one-process 4-bit weights once gathered (one scale mean per tensor)
+            "weights_equal": all(torch.equal(gathered[n], ref_weights[n]) for n in ref_weights),
+            "bytes": sum(_nf4_bytes(local) for local, _ in stored.values()),
+            "bytes_if_halved": sum(ref_bytes[n] // (2 if sharded else 1) for n, (_, sharded) in stored.items()),
+            "bytes_one_process": sum(ref_bytes.values()),
         }
     return out
 
 
 @pytest.mark.slow
-def test_qlora_under_fsdp2_and_tp2_equals_one_process(base):
+def test_qlora_under_fsdp2_and_tp2_equals_one_process(wide_base):
     """Loss and every adapter gradient equal one process's (FSDP: a row per rank; TP: the
-    batch on both), the 4-bit base on every rank."""
+    batch on both). FSDP shards the 4-bit weights whose scale blocks split evenly (each
+    rank stores half of those, the gathered weight bitwise one process's); TP replicates."""
     from titan_plugins.testing.gloo import run_ranks
 
-    for result in run_ranks(_layout_rank, 2, str(base), timeout=300):
+    for result in run_ranks(_layout_rank, 2, str(wide_base), timeout=300):
         for layout, r in result.items():
+            print(layout, {k: r[k] for k in ("sharded", "nf4", "bytes", "bytes_one_process")})
             got, want = r["loss"]
             assert got == pytest.approx(want, rel=1e-5, abs=1e-6), (layout, r)
             assert r["nf4"] * 2 == r["adapters"], (layout, r)
             assert r["grad_diff"] <= 1e-4 * max(1.0, r["grad_max"]), (layout, r)
+            assert r["weights_equal"], (layout, r)
+            assert r["bytes"] == r["bytes_if_halved"], (layout, r)
+        fsdp, tp = result["fsdp2"], result["tp2"]
+        assert 0 < fsdp["sharded"] < fsdp["nf4"] and tp["sharded"] == 0  # k/v (one scale block) replicated
+        assert fsdp["bytes"] < 0.6 * fsdp["bytes_one_process"] and tp["bytes"] == tp["bytes_one_process"]
 
 
 def test_merge_dequantizes_and_differs_from_the_full_base_by_the_quantization_error(base):

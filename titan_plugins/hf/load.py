@@ -89,6 +89,16 @@ class HFCheckpoint:
         return sl[index] if index else sl[:]
 
 
+def _local(value: Any) -> tuple[Any, tuple[slice, ...]]:
+    """What to fill and the global index it covers: a shard, or all of a QLoRA base
+    weight (its receiver quantizes the whole tensor, then keeps this rank's rows)."""
+    from titan_plugins.peft.qlora import BaseReceiver
+
+    if isinstance(value, BaseReceiver):
+        return value, tuple(slice(0, s) for s in value.shape)
+    return local_slices(value)
+
+
 def _probe(adapter: Any, key: str, shape: torch.Size) -> tuple[torch.Tensor, dict[str, Any]]:
     probe = torch.empty(shape, device="meta")
     return probe, adapter.to_hf({key: probe})
@@ -116,7 +126,7 @@ def _fill(ckpt: HFCheckpoint, adapter: Any, key: str, value: Any) -> tuple[list[
     """Fill one entry from its own Hugging Face tensors; returns ``(names read,
     whether only the shard's slices were read)``, or ``None`` when the entry cannot
     be mapped alone (fused with others, or absent)."""
-    local, index = local_slices(value)
+    local, index = _local(value)
     try:
         probe, mapped = _probe(adapter, key, value.shape)
     except Exception:  # needs its fused partners: the grouped pass handles it
@@ -160,7 +170,7 @@ def _fill_declared(ckpt: HFCheckpoint, mapping: Any, config: Any, key: str, valu
         if tuple(ckpt.shape(name)) != tuple(want):
             raise ConfigError(f"model.hf={ckpt.folder}: {name} has shape {tuple(ckpt.shape(name))}, "
                               f"the model's {key} {tuple(value.shape)} needs {tuple(want)}")
-    local, index = local_slices(value)
+    local, index = _local(value)
     if local.numel() == 0:
         return list(sources), True
     part, sliced = mapping.load(key, tuple(value.shape), index, ckpt, config)
@@ -190,7 +200,7 @@ def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], use
     for names in groups.values():
         ours = adapter.from_hf({n: ckpt.read(n) for n in names})
         for key in [k for k in pending if k in ours]:
-            local, index = local_slices(pending.pop(key))
+            local, index = _local(pending.pop(key))
             _copy(ckpt, key, local, ours[key][index])
             filled += 1
     return filled
@@ -206,6 +216,7 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     from titan_plugins.peft.lora import is_adapter_key
+    from titan_plugins.peft.qlora import pending_base
 
     adapter_cls = spec.load("state_dict_adapter")
     # TorchTitan's adapter signature: an adapter taking hf_assets_path learns the folder (its layout)
@@ -219,7 +230,9 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
         for part in parts:
             pending: dict[str, Any] = {}
             used: set[str] = set()
-            for key, value in get_model_state_dict(part).items():
+            waiting = pending_base(part)  # QLoRA: read whole, quantized as read (peft/qlora.py)
+            state = get_model_state_dict(part)
+            for key, value in {**state, **waiting}.items():
                 if is_adapter_key(key):  # LoRA adapters: not in a base model's folder
                     continue
                 done = _fill_declared(ckpt, mapping, config, key, value) if declared \
@@ -235,6 +248,7 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
                 filled = _fill_grouped(ckpt, adapter, pending, used)
                 loaded, kept = loaded + filled, kept + len(pending)
                 kept_names += sorted(pending)
+            _check_base_filled(part, folder)
     counts = {"loaded": loaded, "sliced": sliced, "kept": kept}
     if verbose is None:
         import torch.distributed as dist
@@ -244,6 +258,15 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
         for line in load_report(counts, kept_names, parts, folder):
             print(line, flush=True)
     return counts
+
+
+def _check_base_filled(part: torch.nn.Module, folder: str | Path) -> None:
+    from titan_plugins.peft.qlora import pending_base
+
+    unfilled = sorted(pending_base(part))
+    if unfilled:  # a QLoRA base weight has no initial value to keep
+        raise ConfigError(f"model.hf={folder}: has no tensor for the 4-bit base weight {unfilled[0]} "
+                          f"(and {len(unfilled) - 1} more); peft=qlora needs every adapted weight")
 
 
 def load_report(counts: dict[str, int], kept: list[str], parts: list[torch.nn.Module],

@@ -3,22 +3,36 @@ weight in 4-bit NF4 (torchao's ``NF4Tensor``), with the blocks' scales quantized
 again to int8 (double quantization), as the QLoRA paper and torchtune do.
 
 The adapted modules are LoRA's (``apply_lora``): same adapters, names, init,
-checkpoints and PEFT export. What changes is the base ``weight``: on meta it stops
-being a parameter and becomes a persistent buffer of the same name (so the state-dict
-key, ``model.hf`` loading and ``init_weights`` still find it, and neither FSDP nor a TP
-plan shards or trains it). :func:`quantize_base` replaces it by its NF4 form once it
-holds values; later writes (``model.hf``, ``checkpoint.init_from``) go through
-``NF4Tensor.copy_``, which quantizes each tensor as it is read.
+checkpoints and PEFT export. What changes is the base ``weight`` (same state-dict key):
+
+- on meta it stops being a trainable parameter: a persistent buffer (replicated on
+  every rank: one process, TP, HSDP), or under FSDP alone (:func:`shard_base`) a frozen
+  NF4 parameter that ``fully_shard`` shards by rows like any other (torchao's NF4Tensor
+  implements FSDP2's all-gather extension);
+- the build (:func:`base_aside`) keeps it out of ``to_empty``, ``init_weights`` and the
+  dtype cast. When ``model.hf`` or ``checkpoint.init_from`` will give its values it stays
+  on meta until the loader reads it (:func:`pending_base`, :func:`load_base_from_dcp`):
+  one tensor at a time, cast to ``precision.weight_dtype``, quantized whole, then cut to
+  this rank's rows. So the full-precision base never exists on a rank, only one weight
+  of it at a time. A random-init base (tests) is built whole as before, then quantized.
+
+Quantizing whole, then cutting, matters: double quantization subtracts the mean of all
+the blocks' scales, and FSDP's all-gather rebuilds the weight with one shard's mean;
+the shards of one quantized tensor share it, shards quantized alone would not.
 
 Compute: ``x W^T`` with ``W`` dequantized to the activations' dtype (the run's
 precision) in the forward and again in the backward (``torchao``'s ``linear_nf4``);
-only the 4-bit weight is kept. Under FSDP and TP the 4-bit base is *replicated* on
-every rank (adapters and every other parameter shard as usual): a TP rank computes its
-QLoRA linears whole, from the gathered input, and hands the layout its plan expects.
+only the 4-bit weight is kept. Under TP the 4-bit base is replicated: a TP rank
+computes its QLoRA linears whole, from the gathered input, and hands the layout its
+plan expects (a TP plan would try to distribute an NF4 parameter).
 """
 
 from __future__ import annotations
 
+import math
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,8 +47,8 @@ if TYPE_CHECKING:
 
     from titan_plugins.peft.config import PeftConfig
 
-__all__ = ["QLoRALinear", "apply_qlora", "check_qlora", "dequantized", "qlora_enabled", "quantize_base",
-           "round_trip_base"]
+__all__ = ["BaseReceiver", "QLoRALinear", "apply_qlora", "base_aside", "check_qlora", "dequantized",
+           "install_base", "load_base_from_dcp", "pending_base", "qlora_enabled", "round_trip_base", "shard_base"]
 
 BLOCK_SIZE = 64  # weights per NF4 scale (QLoRA's and torchtune's)
 SCALER_BLOCK_SIZE = 256  # scales per int8 second-level scale (double quantization)
@@ -72,7 +86,8 @@ def _is_nf4(t: object) -> bool:
 
 
 class QLoRALinear(LoRALinear):
-    """A ``LoRALinear`` whose frozen ``weight`` is a buffer, NF4 once quantized."""
+    """A ``LoRALinear`` whose frozen ``weight`` is NF4 once it holds values (a buffer,
+    or a frozen FSDP parameter); ``base_dtype`` / ``base_device``: what it quantizes from."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = _base(x, self.weight, self.bias)
@@ -114,7 +129,7 @@ def check_qlora(job: DictConfig) -> None:
 
 def apply_qlora(model: nn.Module, peft: PeftConfig, exclude: tuple[str, ...] = ()) -> list[str]:
     """``apply_lora``, then each adapted module's ``weight`` becomes a frozen buffer
-    (works on meta); quantized later by :func:`quantize_base`."""
+    (works on meta); see :func:`shard_base` and :func:`base_aside` for what follows."""
     names = apply_lora(model, peft, exclude)
     for name in names:
         module = model.get_submodule(name)
@@ -135,22 +150,147 @@ def _scaler_block(n_scales: int) -> int:
     return max(d for d in range(1, min(SCALER_BLOCK_SIZE, n_scales) + 1) if n_scales % d == 0)
 
 
+def _qlora_modules(model: nn.Module) -> Iterator[tuple[str, QLoRALinear]]:
+    for name, module in adapter_modules(model):
+        if isinstance(module, QLoRALinear):
+            yield name, module
+
+
+def _scaler_blocks(shape: torch.Size) -> int:
+    n_scales = math.prod(shape) // BLOCK_SIZE
+    return n_scales // _scaler_block(n_scales)
+
+
+def _meta_nf4(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    empty = torch.empty(shape, dtype=dtype, device="meta")
+    return _nf4()[2](empty, BLOCK_SIZE, _scaler_block(empty.numel() // BLOCK_SIZE))
+
+
+def shard_base(model: nn.Module, shards: int) -> int:
+    """On meta, before ``fully_shard``: every QLoRA base weight whose NF4 form cuts into
+    ``shards`` equal row blocks (whole scale blocks each) becomes a frozen NF4 parameter,
+    which FSDP shards; the others stay replicated buffers. Returns how many."""
+    count = 0
+    for _, module in _qlora_modules(model):
+        shape = module.weight.shape
+        if shards > 1 and shape[0] % shards == 0 and _scaler_blocks(shape) % shards == 0:
+            weight = module._buffers.pop("weight")
+            module.register_parameter("weight", nn.Parameter(_meta_nf4(shape, weight.dtype), requires_grad=False))
+            count += 1
+    return count
+
+
+class _Aside:
+    """The QLoRA base weights of a model while it is materialized (:func:`base_aside`)."""
+
+    def __init__(self, model: nn.Module, device: torch.device, filled_later: bool) -> None:
+        self.held = []
+        for _, module in _qlora_modules(model):
+            slot = module._parameters if "weight" in module._parameters else module._buffers
+            placeholder = slot.pop("weight")
+            stand_in = torch.empty(placeholder.shape, dtype=placeholder.dtype,
+                                   device="meta" if filled_later else device)
+            module.__dict__["weight"] = placeholder  # FSDP's _apply looks it up: still the meta one
+            self.held.append((module, slot, placeholder, stand_in))
+
+    @contextmanager
+    def for_init(self) -> Iterator[None]:
+        """Within: each weight reads as a plain tensor of its shape (``init_weights``)."""
+        for module, _, _, stand_in in self.held:
+            module.__dict__["weight"] = stand_in
+        yield
+        for module, _, placeholder, _ in self.held:
+            module.__dict__["weight"] = placeholder
+
+    def put_back(self, dtype: torch.dtype, device: torch.device, quantize: bool) -> None:
+        for module, slot, placeholder, stand_in in self.held:
+            del module.__dict__["weight"]
+            slot["weight"] = placeholder
+            module.base_dtype, module.base_device = dtype, torch.device(device)
+            if quantize:
+                install_base(module, stand_in.to(dtype))
+        self.held.clear()
+
+
+@contextmanager
+def base_aside(model: nn.Module, device: torch.device, dtype: torch.dtype, *, filled_later: bool) -> Iterator[_Aside]:
+    """Around ``to_empty``, ``init_weights`` (inside ``aside.for_init()``) and the dtype
+    cast: each QLoRA base weight is no parameter or buffer there, so ``to_empty`` and
+    ``Module._apply`` skip it (neither can then dequantize or re-type an NF4 placeholder);
+    ``init_weights`` finds a plain tensor of its shape. ``filled_later`` (``model.hf``,
+    ``checkpoint.init_from``): that tensor is on meta (``nn.init`` does nothing there and
+    draws no random numbers) and the weight waits for the loader; else it is
+    materialized and initialised, and quantized on the way out (``dtype``: the run's
+    weight dtype)."""
+    aside = _Aside(model, device, filled_later)
+    yield aside
+    with torch.no_grad():
+        aside.put_back(dtype, device, quantize=not filled_later)
+
+
 @torch.no_grad()
-def quantize_base(model: nn.Module) -> int:
-    """Every QLoRA module's base weight to NF4 (double-quantized scales), in place,
-    one tensor at a time; returns how many."""
+def install_base(module: QLoRALinear, full: torch.Tensor) -> None:
+    """``full`` (the whole weight, in the run's dtype) quantized whole to NF4 and put in
+    place: this rank's row block of it under FSDP, all of it otherwise."""
+    to_nf4 = _nf4()[2]
+    nf4 = to_nf4(full, BLOCK_SIZE, _scaler_block(full.numel() // BLOCK_SIZE))
+    if "weight" in module._parameters:
+        module._parameters["weight"] = _row_shard(nf4, module._parameters["weight"])
+    else:
+        module._buffers["weight"] = nf4
+
+
+def _row_shard(nf4: torch.Tensor, placeholder: torch.Tensor) -> nn.Parameter:
+    """This rank's rows of ``nf4`` as the FSDP parameter ``placeholder`` lays them out
+    (torchtune's ``load_from_full_model_state_dict``): the chunk shares its scales' mean
+    with the whole, and is copied into storage of its own so the whole is freed."""
     from torch.distributed.tensor import DTensor
 
-    to_nf4 = _nf4()[2]
+    mesh = placeholder.device_mesh
+    chunk = torch.chunk(nf4, mesh.size(), dim=0)[mesh.get_local_rank()]
+    local = chunk.new_zeros(chunk.shape)
+    local.copy_(chunk)
+    sharded = DTensor.from_local(local, mesh, placeholder.placements, run_check=False,
+                                 shape=nf4.shape, stride=nf4.stride())
+    return nn.Parameter(sharded, requires_grad=False)
+
+
+class BaseReceiver:
+    """Stands for one QLoRA base weight still on meta in a loader's state dict: takes
+    the whole tensor (``copy_``), which :func:`install_base` quantizes and places."""
+
+    def __init__(self, module: QLoRALinear) -> None:
+        self.module = module
+        self.shape = tuple(module.weight.shape)
+        self.dtype, self.device = module.base_dtype, module.base_device
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def copy_(self, full: torch.Tensor) -> None:
+        install_base(self.module, full)
+
+
+def pending_base(model: nn.Module) -> dict[str, BaseReceiver]:
+    """``{state-dict key: receiver}`` of the QLoRA base weights that wait for their
+    values (built with ``filled_later``, not loaded yet)."""
+    return {f"{name}.weight": BaseReceiver(module)
+            for name, module in _qlora_modules(model) if module.weight.is_meta}
+
+
+def load_base_from_dcp(parts: list[nn.Module], path: str | os.PathLike) -> int:
+    """``checkpoint.init_from`` for the pending QLoRA base weights: each read whole from
+    the DCP checkpoint on this rank alone (one at a time), then quantized and placed.
+    Returns how many."""
+    import torch.distributed.checkpoint as dcp
+
     count = 0
-    for _, module in adapter_modules(model):
-        if isinstance(module, QLoRALinear) and not _is_nf4(module.weight):
-            w = module.weight
-            if isinstance(w, DTensor):  # a TP style replicates the buffers it does not shard
-                assert all(p.is_replicate() for p in w.placements), w.placements
-                w = w.to_local()
-            module._buffers["weight"] = to_nf4(w, BLOCK_SIZE, _scaler_block(w.numel() // BLOCK_SIZE))
-            del w
+    for part in parts:
+        for key, receiver in pending_base(part).items():
+            full = torch.empty(receiver.shape, dtype=receiver.dtype, device=receiver.device)
+            dcp.load({"model": {key: full}}, checkpoint_id=str(path), no_dist=True)
+            receiver.copy_(full)
+            del full
             count += 1
     return count
 

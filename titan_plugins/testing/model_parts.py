@@ -182,27 +182,19 @@ def hf_model(name: str, folder: str, *overrides: str):
     return job, config, model.eval(), counts
 
 
-def one_process_model(spec: Any, job: Any, hf_dir: str | None = None, *, seed: int = 0,
-                      quantize: bool = False) -> nn.Module:
-    """The model of a composed job as a one-rank run builds it: on meta, the PEFT transform
-    (``peft=``), ``to_empty`` on CPU, the seeded ``init_weights``, the adapters' init, the
-    NF4 base with ``quantize`` (``peft=qlora``), then the weights of ``hf_dir``."""
+def one_process_model(spec: Any, job: Any, hf_dir: str | None = None, *, seed: int = 0) -> nn.Module:
+    """The model of a composed job as a one-rank run builds it (``lifecycle.materialize``):
+    on meta, the PEFT transform (``peft=``), ``to_empty`` on CPU, the seeded
+    ``init_weights``, the adapters' init, the cast to ``precision.weight_dtype``, then the
+    weights of ``hf_dir``. ``peft=qlora``: with ``hf_dir`` the base is quantized tensor by
+    tensor as it is read (never whole at full precision), without it from the random init."""
     from titan_plugins.config.hydra_glue import model_config
     from titan_plugins.hf.load import load_hf_weights
-    from titan_plugins.peft.lora import init_adapters
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model
+    from titan_plugins.train.lifecycle import apply_peft, build_meta_model, materialize
 
     model = build_meta_model(spec, job)
     apply_peft(model, spec, job)
-    model.to_empty(device="cpu")
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        model.init_weights()
-    init_adapters(model, seed)
-    if quantize:
-        from titan_plugins.peft.qlora import quantize_base
-
-        quantize_base(model)  # model.hf below then quantizes each tensor as it reads it
+    materialize(model, job, torch.device("cpu"), seed=seed, base_later=hf_dir is not None)
     if hf_dir is not None:
         load_hf_weights([model], spec, model_config(job.model, spec), hf_dir, verbose=False)
     return model

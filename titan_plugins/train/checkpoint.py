@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from titan_plugins.errors import ConfigError, TitanError, os_errors_behind
 from titan_plugins.peft.checkpoint import checkpoint_filter
 from titan_plugins.peft.lora import is_adapter_key
+from titan_plugins.peft.qlora import load_base_from_dcp, pending_base
 from titan_plugins.train.optimizer import resync_lr
 
 if TYPE_CHECKING:
@@ -136,10 +137,12 @@ def load_model_weights(parts: list[torch.nn.Module], path: str | os.PathLike) ->
     missing = [k for k in sd if f"model.{k}" not in keys]
     if missing:
         raise ConfigError(f"checkpoint.init_from={path}: has no weights for {missing[0]} (and {len(missing) - 1} more)")
-    state = {"model": sd}
+    waiting = {k for part in parts for k in pending_base(part)}  # QLoRA: quantized as read (peft/qlora.py)
+    state = {"model": {k: v for k, v in sd.items() if k not in waiting}}
     dcp.load(state, checkpoint_id=str(path))
     for part in parts:
         set_model_state_dict(part, state["model"], options=StateDictOptions(strict=False))
+    load_base_from_dcp(parts, path)
 
 
 def save_model_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:

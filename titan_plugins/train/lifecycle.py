@@ -6,6 +6,7 @@ Plugins are called once per model part (one pipeline stage each under PP).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +25,7 @@ from titan_plugins.peft.lora import (
     init_adapters,
     lora_enabled,
 )
-from titan_plugins.peft.qlora import apply_qlora, check_qlora, qlora_enabled, quantize_base
+from titan_plugins.peft.qlora import apply_qlora, base_aside, check_qlora, qlora_enabled, shard_base
 from titan_plugins.spec import ModelSpec
 from titan_plugins.train.fused_loss import defer_heads
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.plugins import TitanPluginManager
 
-__all__ = ["ModelParts", "build_meta_model", "build_model_parts", "parallelized_parts"]
+__all__ = ["ModelParts", "base_from_file", "build_meta_model", "build_model_parts", "materialize", "parallelized_parts"]
 
 
 @dataclass
@@ -93,6 +94,46 @@ def apply_peft(model: nn.Module, spec: ModelSpec, job: DictConfig) -> list[str]:
     return apply_lora(model, job.peft, exclude=tuple(edge))
 
 
+def _nf4_shards(parallel_dims: ParallelDims) -> int:
+    """How many ranks share the QLoRA base: FSDP's 1-D ``dp_shard`` mesh; 1 (replicated)
+    under TP, whose plans would distribute an NF4 parameter, and under HSDP."""
+    if parallel_dims.tp_enabled or parallel_dims.dp_replicate > 1:
+        return 1
+    return parallel_dims.dp_shard
+
+
+def base_from_file(job: DictConfig) -> bool:
+    """Whether the run loads its base weights (``model.hf``, ``checkpoint.init_from``)
+    after the build: QLoRA then quantizes them as they are read."""
+    return bool(job.model.get("hf") or job.checkpoint.get("init_from"))
+
+
+def materialize(part: nn.Module, job: DictConfig, device: torch.device, *, init: bool = True,
+                base_later: bool = False, seed: int | None = None) -> None:
+    """``to_empty``, the seeded ``init_weights`` and adapters' init (``seed``, default
+    ``training.seed``), the cast to ``precision.weight_dtype``; QLoRA's base weights are
+    kept out of all three (``base_aside``): on meta for the loader with ``base_later``,
+    else quantized here."""
+    weight_dtype = to_torch_dtype(job.precision.weight_dtype)
+    seed = int(job.training.seed if seed is None else seed)
+    qlora = qlora_enabled(job)
+    with base_aside(part, device, weight_dtype, filled_later=base_later) if qlora else nullcontext() as aside:
+        part.to_empty(device=device)
+        if init:
+            # Same seed on every rank: replicated parameters start equal.
+            torch.manual_seed(seed)
+            with torch.no_grad(), aside.for_init() if qlora else nullcontext():
+                part.init_weights(buffer_device=device)
+            init_adapters(part, seed)
+        if weight_dtype != torch.float32:
+            # Real floating tensors only: Module.to(dtype) would also turn a complex
+            # freqs_cis into a real tensor and drop its imaginary part. LoRA adapters
+            # stay fp32 (master weights of what trains) under a bf16 frozen base.
+            keep = {id(p) for p in adapter_parameters(part)}
+            part._apply(lambda t, keep=keep: t.to(weight_dtype) if t.is_floating_point() and id(t) not in keep else t)
+    part.train()
+
+
 def parallelized_parts(
     spec: ModelSpec, job: DictConfig, parallel_dims: ParallelDims, pm: TitanPluginManager
 ) -> list[tuple[int, nn.Module]]:
@@ -106,6 +147,8 @@ def parallelized_parts(
     if implied is not None and hasattr(model, "set_compute_dtype"):
         model.set_compute_dtype(implied)
     apply_peft(model, spec, job)  # model transforms: after build, before PP split and parallelize
+    if qlora_enabled(job):  # the 4-bit base sharded by FSDP where it can be (peft/qlora.py)
+        shard_base(model, _nf4_shards(parallel_dims))
     if parallel_dims.pp_enabled:
         from titan_plugins.distributed import pipeline
 
@@ -151,25 +194,9 @@ def build_model_parts(
     split = parallelized_parts(spec, job, parallel_dims, pm)
     parts = [part for _, part in split]
 
-    weight_dtype = to_torch_dtype(job.precision.weight_dtype)
-    seed = int(job.training.seed)
+    later = base_from_file(job)  # QLoRA: the base is quantized as the trainer loads it
     for part in parts:
-        part.to_empty(device=device)
-        if init:
-            # Same seed on every rank: replicated parameters start equal.
-            torch.manual_seed(seed)
-            with torch.no_grad():
-                part.init_weights(buffer_device=device)
-            init_adapters(part, seed)
-        if weight_dtype != torch.float32:
-            # Real floating tensors only: Module.to(dtype) would also turn a complex
-            # freqs_cis into a real tensor and drop its imaginary part. LoRA adapters
-            # stay fp32 (master weights of what trains) under a bf16 frozen base.
-            keep = {id(p) for p in adapter_parameters(part)}
-            part._apply(lambda t, keep=keep: t.to(weight_dtype) if t.is_floating_point() and id(t) not in keep else t)
-        if qlora_enabled(job):  # after the dtype cast: NF4 of the run's weight dtype
-            quantize_base(part)
-        part.train()
+        materialize(part, job, device, init=init, base_later=later)
 
     if fused_loss:  # after to_empty/init/dtype casts: the head's class swap comes last
         defer_heads(parts, spec, job, parallel_dims)
