@@ -93,6 +93,83 @@ def test_qlora_state_dict_keys_are_loras(base):
     assert list(_model(base, "qlora").state_dict()) == list(_model(base, "lora").state_dict())
 
 
+def _build_waiting(base, *extra):
+    """A one-rank build whose base is to be loaded (``model.hf`` / ``init_from``): the
+    4-bit base weights still on meta, listed as pending."""
+    from titan_plugins.peft.qlora import pending_base
+    from titan_plugins.train.lifecycle import apply_peft, build_meta_model, materialize
+
+    spec, job, _ = prepare_job(_args(base, "qlora", *extra), get_plugin_manager())
+    model = build_meta_model(spec, job)
+    apply_peft(model, spec, job)
+    materialize(model, job, torch.device("cpu"), base_later=True)
+    waiting = pending_base(model)
+    assert sorted(waiting) == sorted(f"{n}.weight" for n, _ in adapter_modules(model))
+    assert all(module.weight.is_meta for _, module in adapter_modules(model))  # never materialized whole
+    assert not any(p.is_meta for p in model.parameters())  # everything else is
+    return spec, job, model
+
+
+def _assert_same_model(got, want):
+    """Same 4-bit base (bitwise, dequantized) and every other base entry equal (``want``'s
+    adapters were moved: ``_model``)."""
+    from titan_plugins.peft.lora import is_adapter_key
+
+    for name, module in adapter_modules(want):
+        assert torch.equal(dequantized(got.get_submodule(name).weight), dequantized(module.weight)), name
+    base_keys = {f"{n}.weight" for n, _ in adapter_modules(want)}
+    mine = got.state_dict()
+    for key, value in want.state_dict().items():
+        if key not in base_keys and not is_adapter_key(key):
+            assert torch.equal(mine[key], value), key
+
+
+def test_model_hf_fills_the_waiting_base_as_a_whole_build_then_quantize_did(base):
+    """The base waits on meta until model.hf reads it, one tensor at a time; the result
+    equals quantizing the loaded full-precision weights (``round_trip_base``, the old order)."""
+    from titan_plugins.peft.lora import is_adapter_key
+    from titan_plugins.peft.qlora import pending_base, round_trip_base
+
+    spec, job, model = _build_waiting(base)
+    load_hf_weights([model], spec, model_config(job.model, spec), base, verbose=False)
+    assert not pending_base(model)
+    lora = _model(base, "lora")
+    adapters = {k: v for k, v in lora.state_dict().items() if is_adapter_key(k)}
+    old_order = round_trip_base(lora.state_dict(), adapters)
+    for name, module in adapter_modules(model):
+        assert torch.equal(dequantized(module.weight), old_order[f"{name}.weight"]), name
+
+
+def test_init_from_fills_the_waiting_base_as_model_hf_does(base, tmp_path):
+    """checkpoint.init_from (a DCP checkpoint of the full-precision base): each base weight
+    read whole, quantized, placed; the model equals the model.hf one."""
+    from titan_plugins.peft.qlora import pending_base
+    from titan_plugins.train.checkpoint import load_model_weights, save_model_weights
+
+    save_model_weights(_model(base, "none"), tmp_path / "seed")
+    _, _, model = _build_waiting(base, f"checkpoint.init_from={tmp_path / 'seed'}")
+    load_model_weights([model], tmp_path / "seed")
+    assert not pending_base(model)
+    _assert_same_model(model, _model(base, "qlora"))
+
+
+def test_a_folder_without_a_base_weight_stops_in_one_line(base, tmp_path):
+    """A 4-bit base weight has no initial value to keep: a folder without it stops the load
+    (before any forward could meet a meta weight)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for f in base.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    weights = load_file(base / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "layers.1.self_attn.q_proj" not in k}, folder / "model.safetensors")
+    spec, job, model = _build_waiting(base)
+    with pytest.raises(ConfigError, match=r"model.hf=.*: the checkpoint has no tensor 'model\.layers\.1\.self_attn\.q_proj\.weight'"):
+        load_hf_weights([model], spec, model_config(job.model, spec), folder, verbose=False)
+
+
 @pytest.mark.parametrize("layout", ["parallelism=pp2", "parallelism=fsdp2_tp2_ep2"])
 def test_qlora_refuses_pp_and_ep_in_one_line(base, layout):
     args = _args(base, "qlora", layout, "training.local_batch_size=2")
