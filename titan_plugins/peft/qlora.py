@@ -21,8 +21,8 @@ the blocks' scales, and FSDP's all-gather rebuilds the weight with one shard's m
 the shards of one quantized tensor share it, shards quantized alone would not.
 
 Compute: ``x W^T`` with ``W`` dequantized to the activations' dtype (the run's
-precision) in the forward and again in the backward (``torchao``'s ``linear_nf4``);
-only the 4-bit weight is kept. Under TP the 4-bit base is replicated: a TP rank
+precision) in the forward and again in the backward (``peft/nf4_linear.py``: the
+values of torchao's dequantization by a byte lookup); only the 4-bit weight is kept. Under TP the 4-bit base is replicated: a TP rank
 computes its QLoRA linears whole, from the gathered input, and hands the layout its
 plan expects (a TP plan would try to distribute an NF4 parameter).
 """
@@ -41,6 +41,7 @@ from torch import nn
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.peft.lora import LoRALinear, adapter_modules, apply_lora
+from titan_plugins.peft.nf4_linear import linear_nf4
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -106,7 +107,7 @@ def _base(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> t
     if isinstance(x, DTensor):
         mesh, x = x.device_mesh, x.full_tensor()
     if _is_nf4(weight):
-        out = _nf4()[1](x, weight)
+        out = linear_nf4(x, weight)
     else:  # not quantized yet (a meta or freshly built model)
         out = F.linear(x, weight.to(x.dtype))
     if bias is not None:
