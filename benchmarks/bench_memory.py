@@ -3,7 +3,12 @@ fine-tuning, LoRA and QLoRA on the project's model, each with the whole logits a
 with the fused chunked loss, against transformers + peft LoRA and transformers + peft
 over a bitsandbytes 4-bit base, on one Qwen3-0.6B-shaped random model on one process.
 
-    python benchmarks/bench_memory.py --layers 8 --seq 512 --steps 3
+    python benchmarks/bench_memory.py --layers 28 --seq 512 --steps 3
+    python benchmarks/bench_memory.py --layers 28 --seq 512 --steps 3 --ac
+
+``--ac``: every case with activation checkpointing on each decoder layer (ours:
+``training.activation_checkpoint=full``; transformers: ``gradient_checkpointing_enable``
+with ``use_reentrant=False``), as QLoRA recipes run.
 
 Every case runs in its own subprocess. Memory is the process's resident set: the
 peak while training (``VmHWM`` reset once the model and optimizer are built, so it
@@ -69,9 +74,14 @@ def _ours(args, method: str, fused: bool):
     pm = get_plugin_manager()
     peft = [] if method == "full" else [f"peft={method}", f"peft.target_modules=[{','.join(OURS)}]",
                                         f"peft.rank={args.rank}", f"peft.alpha={2.0 * args.rank}"]
+    ac = ["training.activation_checkpoint=full"] if args.ac else []
     spec, job, _ = prepare_job(["model=qwen3", f"model.hf={args.base}", "model.attn_backend=sdpa",
-                                "data.name=synthetic", f"training.seq_len={args.seq}", *peft], pm)
+                                "data.name=synthetic", f"training.seq_len={args.seq}", *peft, *ac], pm)
     model = one_process_model(spec, job, args.base)
+    if args.ac:
+        from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, job)
     if fused:
         defer_head(model, spec.pipeline.last_stage_modules[-1], chunk_size=args.chunk, vocab_parallel=False)
     opt = build_optimizer(model, job.training)
@@ -90,6 +100,8 @@ def _peft(args, bnb4: bool):
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.float32), "device_map": "cpu"}
     model = transformers.Qwen3ForCausalLM.from_pretrained(args.base, attn_implementation="sdpa", **kw)
+    if args.ac:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = peft.get_peft_model(model, peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=THEIRS))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, weight_decay=0.1)
@@ -145,13 +157,14 @@ def _load() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--layers", type=int, default=28)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--chunk", type=int, default=256, help="training.loss_chunk_size of the fused cases")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on every case")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--case", choices=CASES)
     p.add_argument("--base", help=argparse.SUPPRESS)
@@ -166,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"load average before: {_load()}", flush=True)
         for name in args.cases.split(","):
             cmd = [sys.executable, __file__, "--case", name, f"--base={tmp / 'base'}"] + [
-                f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "base", "cases")]
+                f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "base", "cases", "ac")]
+            cmd += ["--ac"] if args.ac else []
             run = subprocess.run(cmd, capture_output=True, text=True)
             if run.returncode:
                 print(f"{name}: failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
