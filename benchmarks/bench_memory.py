@@ -76,7 +76,8 @@ def _ours(args, method: str, fused: bool):
                                         f"peft.rank={args.rank}", f"peft.alpha={2.0 * args.rank}"]
     ac = ["training.activation_checkpoint=full"] if args.ac else []
     spec, job, _ = prepare_job(["model=qwen3", f"model.hf={args.base}", "model.attn_backend=sdpa",
-                                "data.name=synthetic", f"training.seq_len={args.seq}", *peft, *ac], pm)
+                                "data.name=synthetic", f"training.seq_len={args.seq}",
+                                f"precision.weight_dtype={args.dtype}", *peft, *ac], pm)
     model = one_process_model(spec, job, args.base)
     if args.ac:
         from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
@@ -165,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--ac", action="store_true", help="activation checkpointing on every case")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="precision.weight_dtype of our cases (bench_fit.py); transformers' stay fp32")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--case", choices=CASES)
     p.add_argument("--base", help=argparse.SUPPRESS)

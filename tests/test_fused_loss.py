@@ -119,7 +119,7 @@ def test_no_grad_path_and_memory_of_the_logits():
         model.output.weight.requires_grad_(trains_head)
         hidden = model(inputs)
         saved: list[torch.Size] = []  # what the loss's forward keeps for its backward
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t, saved=saved: saved.append(t.shape) or t, lambda t: t):
             got = token_loss_sum(hidden, labels)
         torch.testing.assert_close(got.detach(), want, rtol=1e-6, atol=1e-6)
         allowed = {(positions, dim), (vocab, dim)} if trains_head else {(positions, dim)}

@@ -29,12 +29,16 @@ TOKENS = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(1
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qlora") / "base"
+    return _random_folder(tmp_path_factory.mktemp("qlora") / "base", DENSE, std=0.2)
+
+
+def _random_folder(path, config: dict, *, std: float):
+    """A random Qwen3 folder (Gaussian weights of ``std``)."""
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE))
+    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**config))
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.2)
+            p.normal_(0.0, std)
     model.save_pretrained(path)
     return path
 
@@ -188,14 +192,7 @@ WIDE = dict(DENSE, hidden_size=256, intermediate_size=512, head_dim=32)
 
 @pytest.fixture(scope="module")
 def wide_base(tmp_path_factory):
-    path = tmp_path_factory.mktemp("qlora") / "wide"
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**WIDE))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.05)
-    model.save_pretrained(path)
-    return path
+    return _random_folder(tmp_path_factory.mktemp("qlora") / "wide", WIDE, std=0.05)
 
 
 def _full(t):
