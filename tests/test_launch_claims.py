@@ -151,3 +151,17 @@ def test_rank_0_writes_its_result_when_slurm_terminates_it(tmp_path, monkeypatch
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert code == 143 and result["status"] == "failed" and result["returncode"] == 143, result
     assert result["error"].splitlines()[0] == "rank 0 crashed: Terminated: terminated by SIGTERM", result
+
+
+def test_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """Ports from binding port 0 come from the ephemeral range, where other processes'
+    outgoing connections can take them before the store binds (EADDRINUSE under srun)."""
+    import socket
+
+    from titan_plugins.distributed.external import _ephemeral_low, _free_port
+
+    ports = {int(_free_port()) for _ in range(5)}
+    assert all(1024 <= p < _ephemeral_low() for p in ports), ports
+    for port in ports:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", port))  # still free

@@ -83,12 +83,34 @@ def wait_published(run_dir: str | os.PathLike, token: str, timeout: float = WAIT
         time.sleep(0.1)
 
 
+def _ephemeral_low() -> int:
+    """The low end of the OS's ephemeral port range (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def _free_port() -> str:
+    """A free port for the rendezvous store, below the ephemeral range. A port found by
+    binding port 0 comes from that range, where any process's outgoing connection (the
+    gloo peers of other jobs on the node) can take it before the store binds it: seen as
+    EADDRINUSE on rank 0. Below the range only another listener can; the candidates are
+    shuffled so that two steps starting together rarely try the same one."""
+    import random
     import socket
 
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))  # every interface: the other nodes connect to the node's address
-        return str(s.getsockname()[1])
+    low = _ephemeral_low()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in [*candidates[:200], 0]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))  # every interface: the other nodes connect to the node's address
+            except OSError:
+                continue
+            return str(s.getsockname()[1])
+    raise TitanError("no free TCP port for the rendezvous store on this node")
 
 
 def _first_record(folder: Path, rank: int) -> tuple[str | None, bool]:
