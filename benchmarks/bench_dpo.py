@@ -35,7 +35,6 @@ import json
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_memory import _hwm_mib, _load, _reset_hwm  # noqa: E402
+from bench_memory import _hwm_mib, _reset_hwm, run_cases  # noqa: E402
 
 CASES = ("lora", "full", "full_precompute", "trl_lora", "trl_full", "trl_full_precompute")
 OURS = ["wq", "wk", "wv", "wo"]
@@ -252,18 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         args.base, args.batch = str(tmp / "base"), str(tmp / "batch.pt")
         _, batch = _trl(args, "full_precompute")  # TRL's tokenization and collation, saved for ours
         torch.save({k: batch[k] for k in ("input_ids", "completion_mask")}, args.batch)
-        rows = {}
-        print(f"load average before: {_load()}", flush=True)
-        for name in args.cases.split(","):
-            cmd = [sys.executable, __file__, "--case", name] + [
-                f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "cases")]
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode:
-                print(f"{name}: failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
-                continue
-            rows[name] = json.loads(run.stdout.strip().splitlines()[-1])
-            print(json.dumps(rows[name]), flush=True)
-        print(f"load average after: {_load()}", flush=True)
+        passed = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "cases")]
+        rows = run_cases(__file__, args.cases.split(","), passed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if len({(tuple(r["batch"]), r["ids_sum"]) for r in rows.values()}) > 1:

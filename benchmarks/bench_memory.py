@@ -156,6 +156,23 @@ def _load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
+def run_cases(script: str, names: list[str], args: list[str]) -> dict[str, dict]:
+    """Each case in its own process (``script --case NAME *args``), one after the other,
+    its last stdout line a JSON row; the load average printed around them. A failed case
+    is one line and left out."""
+    rows = {}
+    print(f"load average before: {_load()}", flush=True)
+    for name in names:
+        run = subprocess.run([sys.executable, script, "--case", name, *args], capture_output=True, text=True)
+        if run.returncode:
+            print(f"{name}: failed: {(run.stderr.strip().splitlines() or ['?'])[-1]}", flush=True)
+            continue
+        rows[name] = json.loads(run.stdout.strip().splitlines()[-1])
+        print(json.dumps(rows[name]), flush=True)
+    print(f"load average after: {_load()}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--layers", type=int, default=28)
@@ -178,19 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-memory-"))
     try:
         write_base(tmp / "base", args.layers)
-        rows = {}
-        print(f"load average before: {_load()}", flush=True)
-        for name in args.cases.split(","):
-            cmd = [sys.executable, __file__, "--case", name, f"--base={tmp / 'base'}"] + [
-                f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "base", "cases", "ac")]
-            cmd += ["--ac"] if args.ac else []
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode:
-                print(f"{name}: failed: {run.stderr.strip().splitlines()[-1]}", flush=True)
-                continue
-            rows[name] = json.loads(run.stdout.strip().splitlines()[-1])
-            print(json.dumps(rows[name]), flush=True)
-        print(f"load average after: {_load()}", flush=True)
+        passed = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("case", "base", "cases", "ac")]
+        passed += [f"--base={tmp / 'base'}"] + (["--ac"] if args.ac else [])
+        rows = run_cases(__file__, args.cases.split(","), passed)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     full = rows.get("full")
