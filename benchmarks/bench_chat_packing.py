@@ -52,8 +52,8 @@ def write_conversations(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def make_loader(path: Path, pack: bool, seq_len: int, batch: int):
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
-    from titan_plugins.train.data.builtin import DATASETS
+    from titan_plugins.data import build_dataloader, build_tokenizer
+    from titan_plugins.data.builtin import DATASETS
 
     data = SimpleNamespace(name="chat", path=str(path), split="train", tokenizer=None, num_workers=0,
                            prefetch_factor=2, chat={"pack": pack})
@@ -64,7 +64,7 @@ def make_loader(path: Path, pack: bool, seq_len: int, batch: int):
 def _padding(inputs: list[int], labels: list[int], pad_id: int) -> int:
     """Trailing positions of a row that are padding (pad id, no target); a conversation's
     own last <|im_end|> may count as one (pad id = <|im_end|> here): +-1 per row."""
-    from titan_plugins.train.loss import IGNORE_INDEX
+    from titan_plugins.loss.token_loss import IGNORE_INDEX
 
     n = 0
     while n < len(inputs) and inputs[-1 - n] == pad_id and labels[-1 - n] == IGNORE_INDEX:
@@ -73,7 +73,7 @@ def _padding(inputs: list[int], labels: list[int], pad_id: int) -> int:
 
 
 def loader_stats(path: Path, pack: bool, seq_len: int, batch: int, batches: int) -> dict:
-    from titan_plugins.train.loss import IGNORE_INDEX
+    from titan_plugins.loss.token_loss import IGNORE_INDEX
 
     dl = make_loader(path, pack, seq_len, batch)
     pad_id = dl.dataset.pad_id
@@ -100,7 +100,7 @@ def trainer_stats(path: Path, seq_len: int, batch: int, steps: int) -> dict:
     from titan_qwen3.model import Qwen3Model
 
     from titan_plugins.components.attention_masks import AttentionMask, documents
-    from titan_plugins.train.loss import IGNORE_INDEX, GlobalTokenLoss
+    from titan_plugins.loss.token_loss import IGNORE_INDEX, GlobalTokenLoss
 
     cfg = replace(FLAVORS["debugmodel"], n_layers=4, dim=256, max_seq_len=seq_len,
                   attn_mask=AttentionMask.block_causal, eos_id=2047)

@@ -38,8 +38,8 @@ def write_corpus(root: Path, mb: int) -> Path:
 
 def loader_rate(path: Path, workers: int, batches: int, seq_len: int, batch: int) -> float:
     from titan_plugins.config.schema import DataConfig
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
-    from titan_plugins.train.data.builtin import DATASETS
+    from titan_plugins.data import build_dataloader, build_tokenizer
+    from titan_plugins.data.builtin import DATASETS
 
     data = DataConfig(name="jsonl", path=str(path), num_workers=workers)
     dl = build_dataloader(data, build_tokenizer(data), dp_rank=0, dp_world=1, local_batch_size=batch,

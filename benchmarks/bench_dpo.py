@@ -54,7 +54,7 @@ def _rss_mib() -> float:
 
 
 def _pairs(n: int) -> list[dict]:
-    from titan_plugins.train.data.chat_source import ASSETS
+    from titan_plugins.data.chat_source import ASSETS
 
     return [json.loads(line) for line in (ASSETS / "preference_sample.jsonl").read_text().splitlines()[:n]]
 
@@ -80,7 +80,7 @@ def _trl(args, mode: str):
     import transformers
     import trl
 
-    from titan_plugins.train.data.chat_source import CHAT_TOKENIZER
+    from titan_plugins.data.chat_source import CHAT_TOKENIZER
 
     policy = transformers.AutoModelForCausalLM.from_pretrained(args.base, attn_implementation="sdpa",
                                                                dtype=torch.float32)
@@ -116,9 +116,9 @@ def _our_steps(args, mode: str):
     """``(dpo_step, floor_step, trainable, ids)`` of our objective on the saved batch."""
     import torch
 
+    from titan_plugins.loss.token_loss import IGNORE_INDEX, count_tokens, token_loss_sum
     from titan_plugins.objectives.dpo import DPOObjective
     from titan_plugins.objectives.reference import adapters_off
-    from titan_plugins.train.loss import IGNORE_INDEX, count_tokens, token_loss_sum
 
     saved = torch.load(args.batch)
     ids, completion = saved["input_ids"], saved["completion_mask"]

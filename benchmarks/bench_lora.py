@@ -33,10 +33,10 @@ def _ours(args, lora: bool):
     from omegaconf import OmegaConf
 
     from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.model.optimizer import build_optimizer
     from titan_plugins.peft.lora import adapter_parameters, apply_lora, init_adapters
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.optimizer import build_optimizer
 
     pm = get_plugin_manager()
     spec, job, _ = prepare_job(["model=qwen3", "model.flavor=0.6B", f"model.n_layers={args.layers}",

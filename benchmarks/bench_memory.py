@@ -64,12 +64,12 @@ def write_base(folder: Path, layers: int) -> None:
 
 
 def _ours(args, method: str, fused: bool):
+    from titan_plugins.loss.fused import defer_head
+    from titan_plugins.loss.token_loss import token_loss_sum
+    from titan_plugins.model.optimizer import build_optimizer
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.testing.model_parts import one_process_model
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.fused_loss import defer_head
-    from titan_plugins.train.loss import token_loss_sum
-    from titan_plugins.train.optimizer import build_optimizer
 
     pm = get_plugin_manager()
     peft = [] if method == "full" else [f"peft={method}", f"peft.target_modules=[{','.join(OURS)}]",

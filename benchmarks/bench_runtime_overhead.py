@@ -28,7 +28,7 @@ def plain_loop(flavor: str, steps: int, batch: int, seq_len: int, seed: int = 0)
     import torch
     import torch.nn.functional as F
 
-    from titan_plugins.train.data.packing import SyntheticTokenDataset
+    from titan_plugins.data.packing import SyntheticTokenDataset
 
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     torch.manual_seed(seed)

@@ -81,7 +81,7 @@ from _titan_run import steady_step_s, step_times, threads_per_rank  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SEQ_LEN, LOCAL_BATCH, VOCAB = 256, 2, 2048
-# The AdamW implementation ours uses on CPU (titan_plugins/train/optimizer.py).
+# The AdamW implementation ours uses on CPU (titan_plugins/model/optimizer.py).
 TT_OPTIMIZER_IMPL = "fused"
 
 # row -> (ranks, our parallelism preset, TorchTitan degrees, data-parallel degree)

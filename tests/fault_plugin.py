@@ -41,7 +41,7 @@ def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
     park = int(os.environ.get("TITAN_TEST_PARK_IN_SAVE", "0"))
     if not park:
         return
-    from titan_plugins.train import checkpoint
+    from titan_plugins.checkpoint import checkpointer as checkpoint
 
     real = checkpoint.dcp
 

@@ -15,12 +15,12 @@ import torch
 
 from titan_plugins.components.attention_masks import document_ids, documents
 from titan_plugins.config.schema import DataConfig
+from titan_plugins.data import build_dataloader, build_tokenizer
+from titan_plugins.data.builtin import DATASETS
+from titan_plugins.data.chat_source import CHAT_TOKENIZER, make_chat_tokenizer
 from titan_plugins.errors import ConfigError
+from titan_plugins.loss.token_loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_plugins.objectives.sft import SFTObjective
-from titan_plugins.train.data import build_dataloader, build_tokenizer
-from titan_plugins.train.data.builtin import DATASETS
-from titan_plugins.train.data.chat_source import CHAT_TOKENIZER, make_chat_tokenizer
-from titan_plugins.train.loss import IGNORE_INDEX, GlobalTokenLoss
 
 REGISTRY = {spec.name: spec for spec in DATASETS}
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
@@ -270,7 +270,7 @@ def test_a_causal_model_leaves_the_documents_unused_and_shapes_must_match():
 
 
 def test_a_global_batch_without_a_trainable_token_is_one_error():
-    from titan_plugins.train.data.loader import Batch
+    from titan_plugins.data.loader import Batch
     from titan_plugins.train.trainer import Trainer
 
     fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(),
@@ -346,13 +346,14 @@ def test_trainer_refuses_packed_rows_a_model_ignores():
     pytest.importorskip("titan_qwen3")
     import contextlib
 
-    from titan_plugins.train.data.loader import Batch
+    from titan_plugins.data.loader import Batch
     from titan_plugins.train.trainer import Trainer
 
     fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(),
                            job=SimpleNamespace(data=SimpleNamespace(name="chat")),
+                           config=SimpleNamespace(data=SimpleNamespace(name="chat")),
                            model=SimpleNamespace(pp=False, parts=[_tiny_qwen3("causal")]),
-                           _loss_context=contextlib.nullcontext)
+                           loss_context=contextlib.nullcontext)
     x = torch.randint(0, 2000, (2, 8))
     docs = torch.tensor([[0] * 4 + [1] * 4] * 2)
     with pytest.raises(ConfigError, match="ignored their document ids"):

@@ -14,8 +14,8 @@ import titan_plugins.generate.load as gen_load
 from titan_plugins.chat import load_chat_template
 from titan_plugins.chat.prompting import chat_prompt, read_messages, template_for
 from titan_plugins.cli.generate import main as generate_main
+from titan_plugins.data.tokenizer import ASSETS, Tokenizer
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.tokenizer import ASSETS, Tokenizer
 
 CHAT_TOKENIZER = ASSETS / "chat_tokenizer"
 

@@ -16,8 +16,8 @@ import torch
 from token_layouts import make_layout
 
 from titan_plugins.chat import encode_conversation, load_chat_template
+from titan_plugins.data.tokenizer import Tokenizer
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -124,13 +124,13 @@ def _model_folder(tmp_path: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", sorted(RELEASED))
 def test_step1_chat_loss_equals_transformers_on_the_same_masks(tmp_path, name) -> None:
     from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.data import build_dataloader, build_tokenizer
+    from titan_plugins.data.builtin import DATASETS
     from titan_plugins.hf.load import load_hf_weights
+    from titan_plugins.loss.token_loss import IGNORE_INDEX
+    from titan_plugins.model.lifecycle import build_meta_model
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
-    from titan_plugins.train.data.builtin import DATASETS
-    from titan_plugins.train.lifecycle import build_meta_model
-    from titan_plugins.train.loss import IGNORE_INDEX
 
     folder = _model_folder(tmp_path, name)
     rows = [CONVERSATION] + ([SYSTEM] if name != "mistral" else [CONVERSATION[:2]])

@@ -11,7 +11,7 @@ from titan_plugins.chat import (
     make_sample,
     to_messages,
 )
-from titan_plugins.train.data.tokenizer import ASSETS, Tokenizer
+from titan_plugins.data.tokenizer import ASSETS, Tokenizer
 
 
 def test_sample_is_what_the_script_writes():

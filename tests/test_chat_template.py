@@ -21,8 +21,8 @@ from titan_plugins.chat import (
     end_of_turn_ids,
     load_chat_template,
 )
+from titan_plugins.data.tokenizer import Tokenizer
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from titan_plugins.config.schema import DataConfig
-from titan_plugins.errors import ConfigError
-from titan_plugins.train.data import (
+from titan_plugins.data import (
     PackedTokenDataset,
     SyntheticTokenDataset,
     Tokenizer,
@@ -24,8 +23,9 @@ from titan_plugins.train.data import (
     encode_documents,
     train_bpe,
 )
-from titan_plugins.train.data.builtin import DATASETS
-from titan_plugins.train.data.sources import CORPUS, corpus_tokens, read_jsonl
+from titan_plugins.data.builtin import DATASETS
+from titan_plugins.data.sources import CORPUS, corpus_tokens, read_jsonl
+from titan_plugins.errors import ConfigError
 
 REGISTRY = {spec.name: spec for spec in DATASETS}
 
@@ -311,7 +311,7 @@ def test_core_plugin_manager_registers_the_datasets():
 def test_exports_and_omegaconf_configs(tok):
     from omegaconf import OmegaConf
 
-    import titan_plugins.train.data as data_pkg
+    import titan_plugins.data as data_pkg
 
     assert sorted(data_pkg.__all__) == sorted(data_pkg._MODULE_OF)
     assert all(getattr(data_pkg, name) is not None for name in data_pkg.__all__)
@@ -323,7 +323,7 @@ def test_exports_and_omegaconf_configs(tok):
 
 def test_plugin_module_does_not_import_torch():
     code = (
-        "import sys, titan_plugins.train.data.builtin as b; "
+        "import sys, titan_plugins.data.builtin as b; "
         "assert 'torch' not in sys.modules and 'numpy' not in sys.modules, 'heavy import'; "
         "print(len(b.DATASETS))"
     )
@@ -340,9 +340,9 @@ def test_default_setup_is_fast():
 
 
 def test_train_tokenizer_cli_makes_a_tokenizer_a_run_accepts(tmp_path, capsys):
+    from titan_plugins.data.train_tokenizer import main
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.data.train_tokenizer import main
 
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps({"body": f"note {i}: the quick brown fox jumps. " * 8}) + "\n"

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from titan_plugins.config.schema import DataConfig
+from titan_plugins.data import build_dataloader, build_tokenizer
+from titan_plugins.data.builtin import DATASETS
+from titan_plugins.data.stream import check_data_source
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data import build_dataloader, build_tokenizer
-from titan_plugins.train.data.builtin import DATASETS
-from titan_plugins.train.data.stream import check_data_source
 
 REGISTRY = {spec.name: spec for spec in DATASETS}
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi".split()

@@ -42,8 +42,8 @@ def _args(base, *extra):
 def dpo_run(base):
     """Four pairs of the sample, every step (a toy set the policy can fit), held-out
     pairs validated at the last step, the final step checkpointed (adapters only)."""
+    from titan_plugins.data.chat_source import ASSETS
     from titan_plugins.train.api import run
-    from titan_plugins.train.data.chat_source import ASSETS
 
     folder = base.parent
     pairs, held_out = folder / "pairs.jsonl", folder / "held_out.jsonl"

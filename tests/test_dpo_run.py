@@ -83,7 +83,7 @@ def test_a_resumed_dpo_run_trains_bitwise_like_an_uninterrupted_one(tmp_path):
 # ------------------------------------------------ objective.precompute_ref=true
 def _toy_pairs(folder, n_train=6, n_held_out=4):
     """The first pairs of the sample and of its held-out split (the first pass reads them all)."""
-    from titan_plugins.train.data.chat_source import ASSETS
+    from titan_plugins.data.chat_source import ASSETS
 
     folder.mkdir(parents=True, exist_ok=True)
     out = []

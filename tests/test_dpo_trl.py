@@ -25,14 +25,14 @@ peft = pytest.importorskip("peft")
 datasets = pytest.importorskip("datasets")
 
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
+from titan_plugins.data.chat_source import ASSETS, CHAT_TOKENIZER  # noqa: E402
+from titan_plugins.loss.token_loss import IGNORE_INDEX  # noqa: E402
 from titan_plugins.objectives.dpo import DPOObjective, sequence_logps  # noqa: E402
 from titan_plugins.objectives.reference import adapters_off  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
 from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
-from titan_plugins.train.data.chat_source import ASSETS, CHAT_TOKENIZER  # noqa: E402
-from titan_plugins.train.loss import IGNORE_INDEX  # noqa: E402
 
 SHAPE = dict(vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
@@ -126,12 +126,12 @@ def _our_step(objective, policy, reference_out, inputs, labels):
 def test_our_preference_source_tokenizes_pairs_as_trl(folders, tmp_path):
     """data.name=preference renders and splits each pair as DPOTrainer does."""
     from titan_plugins.chat.template import load_chat_template
-    from titan_plugins.train.data.preference_source import (
+    from titan_plugins.data.preference_source import (
         PreferenceSettings,
         encode_pair,
         split_pair,
     )
-    from titan_plugins.train.data.tokenizer import Tokenizer
+    from titan_plugins.data.tokenizer import Tokenizer
 
     trainer, batch = _trl(_hf(folders["qwen3"][0]), None, tmp_path, beta=0.1)
     tok, template = Tokenizer.load(CHAT_TOKENIZER), load_chat_template(None, CHAT_TOKENIZER)

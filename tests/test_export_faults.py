@@ -73,8 +73,8 @@ def run(tmp_path_factory):
     """A run directory with one DCP checkpoint of a one-layer qwen3, made in this process."""
     import torch
 
+    from titan_plugins.model.lifecycle import build_meta_model
     from titan_plugins.plugins import get_plugin_manager
-    from titan_plugins.train.lifecycle import build_meta_model
 
     def weights(job):
         model = build_meta_model(get_plugin_manager().get_model("qwen3"), job)

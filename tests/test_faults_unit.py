@@ -101,7 +101,7 @@ def test_ctrl_c_in_a_rank_is_recorded_as_one_line(tmp_path, monkeypatch):
 
 
 def _fake_checkpoint(path: Path, files: dict[str, bytes]) -> None:
-    from titan_plugins.train.checkpoint import write_manifest
+    from titan_plugins.checkpoint.checkpointer import write_manifest
 
     path.mkdir(parents=True)
     for name, data in files.items():
@@ -110,7 +110,7 @@ def _fake_checkpoint(path: Path, files: dict[str, bytes]) -> None:
 
 
 def test_manifest_names_what_is_damaged(tmp_path):
-    from titan_plugins.train.checkpoint import MANIFEST, verify_checkpoint
+    from titan_plugins.checkpoint.checkpointer import MANIFEST, verify_checkpoint
 
     _fake_checkpoint(tmp_path / "ok", {".metadata": b"m" * 10, "__0_0.distcp": b"x" * 100})
     assert verify_checkpoint(tmp_path / "ok") is None
@@ -124,7 +124,7 @@ def test_manifest_names_what_is_damaged(tmp_path):
 
 
 def test_no_usable_checkpoint_is_one_error_line(tmp_path):
-    from titan_plugins.train.checkpoint import Checkpointer, CheckpointError
+    from titan_plugins.checkpoint.checkpointer import Checkpointer, CheckpointError
 
     folder = tmp_path / "ckpt"
     for step in (2, 4):
@@ -142,7 +142,7 @@ def test_no_usable_checkpoint_is_one_error_line(tmp_path):
 def test_enospc_is_found_inside_dcp_failures():
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from titan_plugins.train.checkpoint import _is_enospc
+    from titan_plugins.checkpoint.checkpointer import _is_enospc
 
     full = OSError(errno.ENOSPC, "No space left on device")
     assert _is_enospc(CheckpointException("save", {1: (full, None)}))

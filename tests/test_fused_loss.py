@@ -1,4 +1,4 @@
-"""The fused, chunked head + cross-entropy (titan_plugins/train/fused_loss.py) against
+"""The fused, chunked head + cross-entropy (titan_plugins/loss/fused.py) against
 today's loss (whole logits, ``training.loss_chunk_size=0``): the same loss and the same
 gradient of every parameter, on every first-party plugin (tiny), with label masks; and
 on 2 gloo ranks under TP with loss parallel (+ sequence parallel), FSDP and PP."""
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.loss.fused import HeadRef, defer_head, head_ref, restore_head
+from titan_plugins.loss.token_loss import IGNORE_INDEX, token_loss_sum, token_nll
+from titan_plugins.model.lifecycle import build_meta_model
 from titan_plugins.plugins import get_plugin_manager
 from titan_plugins.train.api import prepare_job
-from titan_plugins.train.fused_loss import HeadRef, defer_head, head_ref, restore_head
-from titan_plugins.train.lifecycle import build_meta_model
-from titan_plugins.train.loss import IGNORE_INDEX, token_loss_sum, token_nll
 
 TINY = {  # tiny shapes on each plugin's debug flavor: a few ms a forward
     "qwen3": ["model.n_layers=1"],
@@ -183,7 +183,7 @@ def test_bias_and_dtype_follow_the_head():
     h = torch.randn(2, 3, 8, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.randint(0, 11, (2, 3))
     ref = HeadRef(head.weight, head.bias, 2, False)
-    from titan_plugins.train.fused_loss import chunked_ce
+    from titan_plugins.loss.fused import chunked_ce
 
     got = chunked_ce(h, labels, ref, ignore_index=IGNORE_INDEX, reduction="sum")
     got_g = torch.autograd.grad(2.5 * got, (h, head.weight, head.bias))
@@ -212,8 +212,8 @@ def _parallel_rank(rank: int, world: int) -> dict:
 
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.distributed.pipeline import stage_inputs
-    from titan_plugins.train.lifecycle import build_model_parts
-    from titan_plugins.train.loss import GlobalTokenLoss
+    from titan_plugins.loss.token_loss import GlobalTokenLoss
+    from titan_plugins.model.lifecycle import build_model_parts
 
     pm = get_plugin_manager()
     out = {}

@@ -9,9 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from titan_plugins.data.sources import encode_documents
+from titan_plugins.data.tokenizer import build_tokenizer
 from titan_plugins.generate.prompt import document_start, encode_prompt
-from titan_plugins.train.data.sources import encode_documents
-from titan_plugins.train.data.tokenizer import build_tokenizer
 
 TOK = build_tokenizer(OmegaConf.create({"tokenizer": None}))  # the shipped one: BOS and EOS
 

@@ -53,7 +53,7 @@ def test_export_writes_tokenizer_files_only_when_a_tokenizer_is_known(tmp_path):
     assert not (bare / "tokenizer.json").exists() and not (bare / "tokenizer_config.json").exists()
     assert (bare / "generation_config.json").is_file()
 
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER  # a real tokenizer.json
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER  # a real tokenizer.json
 
     with_tok = export_model(model, "gpt2", tmp_path / "tok", tokenizer=DEFAULT_TOKENIZER)
     assert (with_tok / "tokenizer.json").read_bytes() == DEFAULT_TOKENIZER.read_bytes()

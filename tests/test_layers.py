@@ -16,29 +16,41 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "titan_plugins"
 
-# Bottom to top. A module belongs to the layer of its longest listed prefix.
+# Bottom to top: the rooms (top-level folders and modules of titan_plugins/) on each layer.
+# A room's modules sit on its layer; docs/architecture.md draws the same picture.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("titan_plugins", "titan_plugins.errors", "titan_plugins.spec", "titan_plugins.protocols",
-              "titan_plugins.hookspecs", "titan_plugins.suggest", "titan_plugins.failures",
-              "titan_plugins.plugin_failures", "titan_plugins.run_dir", "titan_plugins.plugins",
-              "titan_plugins.builtin", "titan_plugins.conf")),
-    ("config", ("titan_plugins.config", "titan_plugins.peft.config", "titan_plugins.hf.config")),
-    ("components", ("titan_plugins.components", "titan_plugins.train.loss", "titan_plugins.train.fused_loss")),
-    ("distributed", ("titan_plugins.distributed",)),
-    ("data", ("titan_plugins.train.data", "titan_plugins.chat", "titan_plugins.train.special_ids")),
-    ("hf mapping", ("titan_plugins.hf.mapping",)),
-    ("peft", ("titan_plugins.peft",)),
-    ("model", ("titan_plugins.train.lifecycle", "titan_plugins.train.optimizer")),
-    ("checkpoint", ("titan_plugins.train.checkpoint", "titan_plugins.peft.checkpoint",
-                    "titan_plugins.peft.run_weights", "titan_plugins.hf.load")),
-    ("export", ("titan_plugins.export", "titan_plugins.hf.export", "titan_plugins.peft.export",
-                "titan_plugins.hf.out_dir")),
-    ("objectives", ("titan_plugins.objectives",)),
-    ("train", ("titan_plugins.train",)),
-    ("apps", ("titan_plugins.hf", "titan_plugins.hf.api", "titan_plugins.generate", "titan_plugins.plan", "titan_plugins.compare")),
-    ("cli", ("titan_plugins.cli",)),
-    ("testing", ("titan_plugins.testing",)),
+    ("base", ("__init__", "_moved", "errors", "spec", "protocols", "hookspecs", "suggest", "failures",
+              "plugin_failures", "run_dir", "plugins", "builtin", "conf")),
+    ("config", ("config",)),
+    ("components", ("components",)),
+    ("loss", ("loss",)),
+    ("distributed", ("distributed",)),
+    ("data", ("data", "chat")),
+    ("hf mapping", ()),
+    ("peft", ("peft",)),
+    ("model", ("model",)),
+    ("checkpoint", ("checkpoint",)),
+    ("export", ("export",)),
+    ("objectives", ("objectives",)),
+    ("train", ("train",)),
+    ("apps", ("hf", "generate", "plan", "compare")),
+    ("cli", ("cli",)),
+    ("testing", ("testing",)),
 ]
+
+# Modules that sit on another layer than their room's, each with its reason. The Hugging Face and
+# PEFT rooms keep one format's code together although it serves several layers.
+SPLIT: dict[str, tuple[str, str]] = {
+    "titan_plugins.hf.config": ("config", "config.json read into a plugin's config"),
+    "titan_plugins.peft.config": ("config", "the peft.* schema"),
+    "titan_plugins.hf.mapping": ("hf mapping", "a plugin's declared Hugging Face names, used by peft and load"),
+    "titan_plugins.hf.load": ("checkpoint", "a folder's weights into the built model"),
+    "titan_plugins.peft.checkpoint": ("checkpoint", "adapter-only checkpoints"),
+    "titan_plugins.peft.run_weights": ("checkpoint", "a LoRA run's weights read back"),
+    "titan_plugins.hf.export": ("export", "the old import path of export/ (re-exports)"),
+    "titan_plugins.hf.out_dir": ("export", "the old import path of export/out_dir (re-exports)"),
+    "titan_plugins.peft.export": ("export", "the PEFT adapter folder writer"),
+}
 
 # (importer, imported): why this one may point up. At most 5.
 ALLOWED_UP: dict[tuple[str, str], str] = {
@@ -55,15 +67,23 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
+def room_of(module: str) -> str:
+    """``titan_plugins.data.sources`` -> ``data``; the package itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+ROOM_LAYER = {room: i for i, (_, rooms) in enumerate(LAYERS) for room in rooms}
+LAYER_INDEX = {name: i for i, (name, _) in enumerate(LAYERS)}
+
+
 def layer_of(module: str) -> int:
-    best, found = -1, None
-    for i, (_, prefixes) in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
-                best, found = len(prefix), i
-    if found is None or (best == len("titan_plugins") and module != "titan_plugins"):
-        raise AssertionError(f"{module} is in no layer: add it to LAYERS in tests/test_layers.py")
-    return found
+    if module in SPLIT:
+        return LAYER_INDEX[SPLIT[module][0]]
+    room = room_of(module)
+    if room not in ROOM_LAYER:
+        raise AssertionError(f"room {room!r} ({module}) is in no layer: add it to LAYERS in tests/test_layers.py")
+    return ROOM_LAYER[room]
 
 
 def _type_checking(test: ast.expr) -> bool:
@@ -164,6 +184,30 @@ def upward(edges: dict[str, list[tuple[str, int]]]) -> list[tuple[str, str, int]
 def test_every_module_has_a_layer() -> None:
     for module in MODULES:
         layer_of(module)
+
+
+def test_every_room_has_a_layer_and_exists() -> None:
+    rooms = {p.stem if p.suffix == ".py" else p.name for p in PACKAGE.iterdir()
+             if (p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").exists()))}
+    rooms.add("__init__")
+    assert rooms == set(ROOM_LAYER), (f"rooms without a layer: {sorted(rooms - set(ROOM_LAYER))}; "
+                                      f"layers naming no room: {sorted(set(ROOM_LAYER) - rooms)}")
+    assert all(module in MODULES for module in SPLIT), [m for m in SPLIT if m not in MODULES]
+
+
+def test_split_modules_are_few_and_off_their_rooms_layer() -> None:
+    """A module listed in SPLIT is there because it serves another layer than its room's."""
+    assert len(SPLIT) <= 10, "splitting a room is the exception; move the module to its layer's room"
+    for module, (layer, reason) in SPLIT.items():
+        assert reason and LAYER_INDEX[layer] != ROOM_LAYER[room_of(module)], module
+
+
+def test_the_architecture_picture_names_every_room() -> None:
+    picture = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    drawn = picture[picture.index("```"):picture.index("```", picture.index("```") + 3)]
+    rooms = {room for room in ROOM_LAYER if not room.startswith("_")}
+    missing = sorted(room for room in rooms if f"{room}/" not in drawn and room not in drawn)
+    assert not missing, f"docs/architecture.md's picture lacks the rooms {missing}"
 
 
 def test_no_import_cycles() -> None:

@@ -20,13 +20,13 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch import nn  # noqa: E402
 
 from titan_plugins.components.moe.experts import GroupedExperts  # noqa: E402
+from titan_plugins.data.tokenizer import ASSETS  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
+from titan_plugins.model.lifecycle import build_meta_model  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules, apply_lora, init_adapters, is_adapter_key  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
 from titan_plugins.testing.model_parts import one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
-from titan_plugins.train.data.tokenizer import ASSETS  # noqa: E402
-from titan_plugins.train.lifecycle import build_meta_model  # noqa: E402
 
 VOCAB = 96
 TOKENS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))

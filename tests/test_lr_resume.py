@@ -6,7 +6,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer, lr_lambda, resync_lr
+from titan_plugins.model.optimizer import build_lr_scheduler, build_optimizer, lr_lambda, resync_lr
 
 
 def _training(steps: int):

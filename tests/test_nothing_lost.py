@@ -21,9 +21,9 @@ def run(tmp_path_factory):
     import torch
     import torch.distributed.checkpoint as dcp
 
+    from titan_plugins.model.lifecycle import build_meta_model
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job, write_config
-    from titan_plugins.train.lifecycle import build_meta_model
 
     run_dir = tmp_path_factory.mktemp("nothing-lost") / "run"
     spec, job, _ = prepare_job(["model=qwen3", "model.n_layers=1", "training.seq_len=16"],
@@ -114,9 +114,9 @@ def test_publishing_alone_never_replaces_a_users_folder(tmp_path):
 def test_seed_checkpoint_replaces_only_an_earlier_checkpoint(tmp_path, monkeypatch):
     import torch
 
+    from titan_plugins.checkpoint.checkpointer import save_model_weights
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.checkpoint import save_model_weights
 
     seed = tmp_path / "run" / "checkpoints" / "seed"
     seed.mkdir(parents=True)
@@ -177,7 +177,7 @@ def test_every_failure_line_has_the_error_prefix(tmp_path, monkeypatch, capsys, 
 
 def test_tokenizer_trainer_and_eval_never_replace_a_users_file(tmp_path, capsys):
     from titan_plugins.cli.eval import main as eval_main
-    from titan_plugins.train.data.train_tokenizer import main as tok_main
+    from titan_plugins.data.train_tokenizer import main as tok_main
 
     mine = tmp_path / "tokenizer.json"
     mine.write_text("my own tokenizer")

@@ -13,10 +13,10 @@ from omegaconf import OmegaConf
 
 from titan_plugins import __version__
 from titan_plugins.errors import ConfigError
+from titan_plugins.loss.token_loss import IGNORE_INDEX, GlobalTokenLoss
 from titan_plugins.objectives import ObjectiveSpec, build_objective, discover
 from titan_plugins.objectives.dpo import DPOObjective, pair_losses
 from titan_plugins.objectives.sft import SFTObjective
-from titan_plugins.train.loss import IGNORE_INDEX, GlobalTokenLoss
 
 SPEC = ObjectiveSpec(name="mine", build="titan_plugins.objectives.sft:SFTObjective", description="x")
 

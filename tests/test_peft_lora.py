@@ -17,11 +17,11 @@ peft = pytest.importorskip("peft")
 
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
+from titan_plugins.model.lifecycle import apply_peft, build_meta_model  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
 from titan_plugins.testing.model_parts import adapter_grads, one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
-from titan_plugins.train.lifecycle import apply_peft, build_meta_model  # noqa: E402
 
 DENSE = dict(  # the vocabulary of the shipped (chat) tokenizer: the slow runs train on chat data
     vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -33,7 +33,7 @@ TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1
 
 
 def _base_folder(path):
-    from titan_plugins.train.data.tokenizer import ASSETS
+    from titan_plugins.data.tokenizer import ASSETS
 
     torch.manual_seed(0)
     model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE))

@@ -248,7 +248,7 @@ def _gloo_rank(rank: int, world: int, overrides: list[str]) -> dict[str, int]:
     from torch.distributed.tensor import DTensor
 
     from titan_plugins.distributed.parallel_dims import ParallelDims
-    from titan_plugins.train.lifecycle import build_model_parts
+    from titan_plugins.model.lifecycle import build_model_parts
 
     spec, job, pm = _job(overrides)
     dims = ParallelDims.from_config(job.parallelism, world_size=world)

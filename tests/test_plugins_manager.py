@@ -307,7 +307,7 @@ def test_disable_autoload_skips_real_discovery(clean_env: pytest.MonkeyPatch) ->
     clean_env.setenv("TITAN_PLUGINS_DISABLE_AUTOLOAD", "1")
     pm = get_plugin_manager()
     assert pm.models() == {}
-    assert {i.name for i in pm.infos.values()} == {"titan_plugins.builtin", "titan_plugins.train.data.builtin"}
+    assert {i.name for i in pm.infos.values()} == {"titan_plugins.builtin", "titan_plugins.data.builtin"}
 
 
 def test_extra_modules_by_name(clean_env: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""data.name=preference (titan_plugins/train/data/preference_source.py): TRL's row
+"""data.name=preference (titan_plugins/data/preference_source.py): TRL's row
 layouts in JSONL, Parquet and a save_to_disk folder; bad rows as one line naming the
 file and row; truncation counted; the global batch independent of the layout; resume."""
 
@@ -10,15 +10,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.chat_source import CHAT_TOKENIZER
-from titan_plugins.train.data.preference_source import (
+from titan_plugins.data.chat_source import CHAT_TOKENIZER
+from titan_plugins.data.preference_source import (
     PreferenceDataset,
     check_preference,
     check_preference_sample,
 )
-from titan_plugins.train.data.tokenizer import Tokenizer
-from titan_plugins.train.loss import IGNORE_INDEX
+from titan_plugins.data.tokenizer import Tokenizer
+from titan_plugins.errors import ConfigError
+from titan_plugins.loss.token_loss import IGNORE_INDEX
 
 TOK = Tokenizer.load(CHAT_TOKENIZER)
 

@@ -69,8 +69,8 @@ def test_a_readable_mix_passes_the_check(monkeypatch, tmp_path):
 
 
 def test_every_file_source_declares_its_check():
+    from titan_plugins.data.builtin import DATASETS
     from titan_plugins.spec import resolve
-    from titan_plugins.train.data.builtin import DATASETS
 
     checks = {spec.name: spec.check for spec in DATASETS}
     for name in ("text", "jsonl", "parquet", "hf", "mix"):

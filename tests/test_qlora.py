@@ -14,12 +14,12 @@ transformers = pytest.importorskip("transformers")
 from titan_plugins.config.hydra_glue import model_config  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
 from titan_plugins.hf.load import load_hf_weights  # noqa: E402
+from titan_plugins.loss.token_loss import token_loss_sum  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules  # noqa: E402
 from titan_plugins.peft.qlora import QLoRALinear, dequantized  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
 from titan_plugins.testing.model_parts import adapter_grads, one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
-from titan_plugins.train.loss import token_loss_sum  # noqa: E402
 
 DENSE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
@@ -100,8 +100,8 @@ def test_qlora_state_dict_keys_are_loras(base):
 def _build_waiting(base, *extra):
     """A one-rank build whose base is to be loaded (``model.hf`` / ``init_from``): the
     4-bit base weights still on meta, listed as pending."""
+    from titan_plugins.model.lifecycle import apply_peft, build_meta_model, materialize
     from titan_plugins.peft.qlora import pending_base
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model, materialize
 
     spec, job, _ = prepare_job(_args(base, "qlora", *extra), get_plugin_manager())
     model = build_meta_model(spec, job)
@@ -147,8 +147,8 @@ def test_model_hf_fills_the_waiting_base_as_a_whole_build_then_quantize_did(base
 def test_init_from_fills_the_waiting_base_as_model_hf_does(base, tmp_path):
     """checkpoint.init_from (a DCP checkpoint of the full-precision base): each base weight
     read whole, quantized, placed; the model equals the model.hf one."""
+    from titan_plugins.checkpoint.checkpointer import load_model_weights, save_model_weights
     from titan_plugins.peft.qlora import pending_base
-    from titan_plugins.train.checkpoint import load_model_weights, save_model_weights
 
     save_model_weights(_model(base, "none"), tmp_path / "seed")
     _, _, model = _build_waiting(base, f"checkpoint.init_from={tmp_path / 'seed'}")
@@ -224,7 +224,7 @@ def _unsharded_weights(model) -> dict:
 
 def _layout_rank(rank: int, world: int, base: str) -> dict:
     from titan_plugins.distributed.parallel_dims import ParallelDims
-    from titan_plugins.train.lifecycle import build_model_parts
+    from titan_plugins.model.lifecycle import build_model_parts
 
     pm = get_plugin_manager()
     ref = _model(base, "qlora", "parallelism=fsdp2")  # built whole, on this rank alone

@@ -19,8 +19,8 @@ import pytest
 import torch
 from token_layouts import make_layout
 
-from titan_plugins.train.data.tokenizer import Tokenizer
-from titan_plugins.train.loss import IGNORE_INDEX
+from titan_plugins.data.tokenizer import Tokenizer
+from titan_plugins.loss.token_loss import IGNORE_INDEX
 
 transformers = pytest.importorskip("transformers")
 
@@ -86,9 +86,9 @@ def _docs(tmp_path: Path) -> Path:
 
 def _step1_batches(overrides: list[str], dp_world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each data-parallel rank's first batch, built as the trainer builds its loader."""
+    from titan_plugins.data import build_dataloader, build_tokenizer
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
 
     pm = get_plugin_manager()
     _, job, _ = prepare_job(overrides, pm)

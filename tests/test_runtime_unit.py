@@ -11,8 +11,8 @@ from omegaconf import OmegaConf
 from titan_plugins.distributed.clip_grad import clip_grad_norm_
 from titan_plugins.distributed.pipeline import layer_ranges, stage_ids, validate_pipeline
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.loss import GlobalTokenLoss
-from titan_plugins.train.optimizer import lr_lambda, param_groups
+from titan_plugins.loss.token_loss import GlobalTokenLoss
+from titan_plugins.model.optimizer import lr_lambda, param_groups
 from titan_plugins.train.sweep import format_table
 
 EXTRA = ["tiny_plugin"]

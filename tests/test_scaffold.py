@@ -203,8 +203,8 @@ def test_generated_objective_builds_trains_its_loss_and_refuses_a_bad_knob(tmp_p
     import torch
     from omegaconf import OmegaConf
 
+    from titan_plugins.loss.token_loss import IGNORE_INDEX
     from titan_plugins.objectives import build_objective, discover
-    from titan_plugins.train.loss import IGNORE_INDEX
 
     root, _ = scaffold("scafobj", tmp_path / "gen", "objective")
     monkeypatch.syspath_prepend(str(root))

@@ -9,7 +9,7 @@ import warnings
 import pytest
 from token_layouts import LAYOUTS, make_layout
 
-from titan_plugins.train.data.tokenizer import Tokenizer
+from titan_plugins.data.tokenizer import Tokenizer
 
 TEXT = "Hello world, the capital of France is Paris."
 
@@ -71,7 +71,7 @@ def test_config_ids_only_where_the_tokenizer_says_nothing(tmp_path) -> None:
 
 
 def test_a_bare_tokenizer_json_keeps_the_projects_names(tmp_path) -> None:
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
 
     tok = Tokenizer.load(DEFAULT_TOKENIZER)
     assert tok.tok.id_to_token(tok.bos_id) == "<|bos|>" and tok.tok.id_to_token(tok.eos_id) == "<|eos|>"
@@ -105,11 +105,11 @@ def test_qwen3_moe_text_rows_and_step1_loss_equal_transformers(tmp_path) -> None
     import torch
 
     from titan_plugins.config.hydra_glue import model_config
+    from titan_plugins.data import build_dataloader, build_tokenizer
+    from titan_plugins.data.builtin import DATASETS
     from titan_plugins.hf.load import load_hf_weights
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
-    from titan_plugins.train.data.builtin import DATASETS
 
     transformers = pytest.importorskip("transformers")
     folder = make_layout(tmp_path, "qwen3")

@@ -10,11 +10,11 @@ import pytest
 from omegaconf import OmegaConf
 
 from titan_plugins.components.attention_masks import AttentionMask
+from titan_plugins.data.special_tokens import check_attention_mask, hand_special_tokens
+from titan_plugins.data.tokenizer import build_tokenizer
 from titan_plugins.errors import ConfigError
 from titan_plugins.plugins import get_plugin_manager
 from titan_plugins.train.api import prepare_job
-from titan_plugins.train.data.tokenizer import build_tokenizer
-from titan_plugins.train.special_tokens import check_attention_mask, hand_special_tokens
 
 SHIPPED = build_tokenizer(OmegaConf.create({"tokenizer": None}))
 SHIPPED_EOS, SHIPPED_BOS = SHIPPED.eos_id, SHIPPED.bos_id
@@ -85,7 +85,7 @@ def test_special_ids_come_from_what_a_folder_states_before_name_lists(tmp_path) 
 
     from tokenizers import Tokenizer, models
 
-    from titan_plugins.train.data.tokenizer import Tokenizer as TitanTokenizer
+    from titan_plugins.data.tokenizer import Tokenizer as TitanTokenizer
 
     tok = Tokenizer(models.WordLevel({"a": 0, "b": 1}, unk_token="a"))
     tok.add_special_tokens(["<doc>", "</doc>", "<|endoftext|>"])  # 2, 3, 4: the last a known name

@@ -50,7 +50,7 @@ def test_hook_titan_on_validation_end(tmp_path, capsys) -> None:
 def test_builtin_validation_split_is_held_out() -> None:
     import numpy as np
 
-    from titan_plugins.train.data.sources import builtin_split
+    from titan_plugins.data.sources import builtin_split
 
     tokens = np.arange(1000)
     train, val = builtin_split(tokens, "train"), builtin_split(tokens, "validation")
@@ -96,8 +96,8 @@ def test_validation_loss_equals_a_hand_computation(single) -> None:
     import torch
     import torch.nn.functional as F
 
+    from titan_plugins.data import build_dataloader, build_tokenizer
     from titan_plugins.plugins import get_plugin_manager
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
 
     _, _, _, with_val = single
     reported = _validations(with_val.run_dir)[3]

@@ -32,7 +32,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import titan_plugins
 from titan_plugins.config import hydra_glue
 from titan_plugins.plugins import get_plugin_manager
-from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer
+from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER, Tokenizer
 
 pm = get_plugin_manager(strict=True)
 out = {"core": titan_plugins.__file__, "models": sorted(pm.models())}
@@ -44,7 +44,7 @@ for name in out["models"]:
     out["composed"][name] = [cfg.model.flavor, cfg.parallelism.dp_shard, cfg.parallelism.tp, cfg.parallelism.ep]
 tok = Tokenizer.load(DEFAULT_TOKENIZER)
 out["vocab"] = tok.vocab_size
-assets = importlib.resources.files("titan_plugins.train.data").joinpath("assets")
+assets = importlib.resources.files("titan_plugins.data").joinpath("assets")
 out["assets"] = sorted(p.name for p in assets.iterdir())
 templates = importlib.resources.files("titan_plugins").joinpath("scaffold_template")
 out["templates"] = sum(1 for p in templates.rglob("*.tmpl"))

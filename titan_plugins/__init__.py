@@ -3,6 +3,7 @@
 This module must stay light: listing plugins imports it and must not import torch.
 """
 
+from titan_plugins import _moved
 from titan_plugins.errors import ConfigError, PluginLoadError, TitanError
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.protocols import (
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 # "Versioning"). 1.1: objectives (the `titan_plugins.objectives` entry-point group) and the
 # shared decoder components joined the contract; nothing was removed.
 API_VERSION = "1.1"
+_moved.install()  # the old import paths of modules that moved rooms (until API 1.3)
 
 __all__ = [
     "API_VERSION",

@@ -35,7 +35,7 @@ from titan_plugins.suggest import did_you_mean
 ENTRY_POINT_GROUP = "titan_plugins"
 CORE_DIST = "titan-plugins"
 # Always-on plugins of the core itself (like pytest's builtin plugins).
-BUILTIN_PLUGINS = ("titan_plugins.builtin", "titan_plugins.train.data.builtin")
+BUILTIN_PLUGINS = ("titan_plugins.builtin", "titan_plugins.data.builtin")
 HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("titan_")))
 
 # Environment switches (see docs/hooks.md and the README).

@@ -36,9 +36,9 @@ Modules, one job each:
   ``--messages FILE``): ``read_messages``, ``template_for`` (the run's template),
   ``chat_prompt`` (ids and the stop id).
 - ``make_sample``: writes the shipped synthetic sample
-  ``titan_plugins/train/data/assets/chat_sample.jsonl`` (and ``chat_sample_val.jsonl``).
+  ``titan_plugins/data/assets/chat_sample.jsonl`` (and ``chat_sample_val.jsonl``).
 
-The ``Tokenizer`` is ``titan_plugins.train.data.tokenizer.Tokenizer`` (or a bare
+The ``Tokenizer`` is ``titan_plugins.data.tokenizer.Tokenizer`` (or a bare
 ``tokenizers.Tokenizer``); ``ChatTemplate`` pickles (it recompiles on load).
 """
 

@@ -2,7 +2,7 @@
 
     python -m titan_plugins.chat.make_sample            # rewrites the two files below
 
-``train/data/assets/chat_sample.jsonl`` (``TRAIN`` conversations) and
+``data/assets/chat_sample.jsonl`` (``TRAIN`` conversations) and
 ``chat_sample_val.jsonl`` (``VAL``, held out: other topics' answers are not in it
 but the same question/answer patterns are), one ``{"messages": [...]}`` per line. Each
 conversation is about one topic of the corpus (the Python Language Reference): an
@@ -19,7 +19,7 @@ import random
 import re
 from pathlib import Path
 
-from titan_plugins.train.data.tokenizer import ASSETS
+from titan_plugins.data.tokenizer import ASSETS
 
 TRAIN, VAL = 300, 40
 OUT = ASSETS / "chat_sample.jsonl"

@@ -41,7 +41,7 @@ def template_for(data_config: Any, spec: str | None, *, key: str = "--chat-templ
     """The template a run trained with: ``spec`` (a file or a name), else the run's
     ``data.chat.template``, else its tokenizer folder's own (``data.tokenizer``; chat runs
     without one use the shipped ChatML tokenizer folder)."""
-    from titan_plugins.train.data.tokenizer import ASSETS
+    from titan_plugins.data.tokenizer import ASSETS
 
     chat = _get(data_config, "chat")
     spec = spec or (_get(chat, "template") if chat is not None else None)

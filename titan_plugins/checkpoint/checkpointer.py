@@ -37,10 +37,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_plugins.errors import ConfigError, TitanError, os_errors_behind
+from titan_plugins.model.optimizer import resync_lr
 from titan_plugins.peft.checkpoint import checkpoint_filter
 from titan_plugins.peft.lora import is_adapter_key
 from titan_plugins.peft.qlora import load_base_from_dcp, pending_base
-from titan_plugins.train.optimizer import resync_lr
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

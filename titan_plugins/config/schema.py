@@ -133,14 +133,14 @@ class TrainingConfig:
     dump_final_params: bool = False  # rank 0 writes <run_dir>/final_params.pt (full tensors)
     nonfinite: NonFinite = NonFinite.stop  # a NaN/Inf loss or grad norm on any rank: stop | skip
     nonfinite_max_skips: int = ranged(5, "[1, inf)")  # skip: steps skipped in a row before one more stops the run
-    # Positions per chunk of the fused head + cross-entropy (train/fused_loss.py): the full
+    # Positions per chunk of the fused head + cross-entropy (loss/fused.py): the full
     # logits and their gradient are never held; 0: the plain head and whole logits.
     loss_chunk_size: int = ranged(256, "[0, inf)")
 
 
 @dataclass
 class ChatDataConfig:
-    """``data.name=chat`` (titan_plugins/train/data/chat_source.py)."""
+    """``data.name=chat`` (titan_plugins/data/chat_source.py)."""
 
     format: str = "auto"  # auto | messages | sharegpt | instruction | prompt_completion
     messages_field: str | None = None  # default: messages (conversations for sharegpt)
@@ -158,7 +158,7 @@ class ChatDataConfig:
 
 @dataclass
 class PreferenceDataConfig:
-    """``data.name=preference`` (titan_plugins/train/data/preference_source.py): TRL's
+    """``data.name=preference`` (titan_plugins/data/preference_source.py): TRL's
     preference rows, conversational (``prompt`` messages + ``chosen``/``rejected``
     assistant messages) or implicit-prompt (``chosen``/``rejected`` whole conversations
     sharing their prompt)."""

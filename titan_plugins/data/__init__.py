@@ -1,7 +1,7 @@
 """Training data: tokenizer, token streams, dataset builders and the loader.
 
 Exports resolve lazily, so importing this package (as the plugin manager does
-for ``titan_plugins.train.data.builtin``) imports neither torch nor numpy.
+for ``titan_plugins.data.builtin``) imports neither torch nor numpy.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from titan_plugins.train.data.loader import DataLoader, build_dataloader, find_dataset
-    from titan_plugins.train.data.packing import (
+    from titan_plugins.data.loader import DataLoader, build_dataloader, find_dataset
+    from titan_plugins.data.packing import (
         PackedTokenDataset,
         ShardedStream,
         SyntheticTokenDataset,
     )
-    from titan_plugins.train.data.sources import encode_documents
-    from titan_plugins.train.data.tokenizer import (
+    from titan_plugins.data.sources import encode_documents
+    from titan_plugins.data.tokenizer import (
         DEFAULT_TOKENIZER,
         Tokenizer,
         build_tokenizer,

@@ -1,7 +1,7 @@
 """Rebuild the shipped tokenizer and encoded corpus from ``assets/corpus.jsonl``.
 
-    python -m titan_plugins.train.data.build_assets              # tokenizer + tokens
-    python -m titan_plugins.train.data.build_assets --from-pydoc # re-extract the corpus first
+    python -m titan_plugins.data.build_assets              # tokenizer + tokens
+    python -m titan_plugins.data.build_assets --from-pydoc # re-extract the corpus first
 
 ``--from-pydoc`` takes the corpus from this Python's ``pydoc_data.topics`` (the
 language reference, PSF licence), so it depends on the Python version; the
@@ -14,7 +14,7 @@ import argparse
 import json
 import time
 
-from titan_plugins.train.data.sources import (
+from titan_plugins.data.sources import (
     CORPUS,
     CORPUS_TOKENS,
     corpus_key,
@@ -22,7 +22,7 @@ from titan_plugins.train.data.sources import (
     read_jsonl,
     save_tokens,
 )
-from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER, train_bpe
+from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER, train_bpe
 
 VOCAB_SIZE = 2048  # the first-party debug models' vocabulary
 

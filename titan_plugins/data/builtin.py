@@ -11,8 +11,8 @@ from typing import Any
 from titan_plugins.hookspecs import hookimpl
 from titan_plugins.spec import DatasetSpec
 
-_SOURCES = "titan_plugins.train.data.sources"
-_CHECK = "titan_plugins.train.data.check:check_data_source"  # before launch
+_SOURCES = "titan_plugins.data.sources"
+_CHECK = "titan_plugins.data.check:check_data_source"  # before launch
 DATASETS = (
     DatasetSpec(
         name="builtin",
@@ -50,28 +50,28 @@ DATASETS = (
     ),
     DatasetSpec(
         name="chat",
-        build="titan_plugins.train.data.chat_source:build_chat",
+        build="titan_plugins.data.chat_source:build_chat",
         check=_CHECK,
         description="conversations (data.path: JSONL, Parquet or a save_to_disk folder) "
         "through the chat template; assistant-only loss, packed (data.chat.*)",
     ),
     DatasetSpec(
         name="chat_sample",
-        build="titan_plugins.train.data.chat_source:build_chat_sample",
+        build="titan_plugins.data.chat_source:build_chat_sample",
         check=_CHECK,
         description="a few hundred synthetic conversations (shipped), ChatML, as data.name=chat",
     ),
     DatasetSpec(
         name="preference",
-        build="titan_plugins.train.data.preference_source:build_preference",
-        check="titan_plugins.train.data.preference_source:check_preference",
+        build="titan_plugins.data.preference_source:build_preference",
+        check="titan_plugins.data.preference_source:check_preference",
         description="preference pairs (data.path: JSONL, Parquet or a save_to_disk folder; TRL's "
         "prompt/chosen/rejected layouts) through the chat template, for objective=dpo (data.preference.*)",
     ),
     DatasetSpec(
         name="preference_sample",
-        build="titan_plugins.train.data.preference_source:build_preference_sample",
-        check="titan_plugins.train.data.preference_source:check_preference_sample",
+        build="titan_plugins.data.preference_source:build_preference_sample",
+        check="titan_plugins.data.preference_source:check_preference_sample",
         description="300 synthetic preference pairs (shipped), ChatML, as data.name=preference",
     ),
     DatasetSpec(

@@ -38,9 +38,8 @@ from typing import Any
 
 import torch
 
-from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.streaming import StreamingTokenDataset, fresh_stream_state
-from titan_plugins.train.data.units import (
+from titan_plugins.data.streaming import StreamingTokenDataset, fresh_stream_state
+from titan_plugins.data.units import (
     Unit,
     cfg_get,
     decode_line,
@@ -50,7 +49,8 @@ from titan_plugins.train.data.units import (
     source_files,
     unit_lines,
 )
-from titan_plugins.train.loss import IGNORE_INDEX
+from titan_plugins.errors import ConfigError
+from titan_plugins.loss.token_loss import IGNORE_INDEX
 
 __all__ = ["ChatDataset", "build_chat", "chat_kind", "check_chat_source"]
 
@@ -242,7 +242,7 @@ def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) ->
     if not units:
         raise ConfigError(f"data.path={cfg.path!r} holds no rows")
     if tokenizer is None:
-        from titan_plugins.train.data.tokenizer import build_tokenizer
+        from titan_plugins.data.tokenizer import build_tokenizer
 
         tokenizer = build_tokenizer(data_config)
     from titan_plugins.chat.encode import encode_conversation

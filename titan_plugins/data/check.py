@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from titan_plugins.train.data.chat_source import check_chat_source, sample_config
-from titan_plugins.train.data.mix import chat_entry, entry_config, mix_entries
-from titan_plugins.train.data.units import cfg_get, check_source
+from titan_plugins.data.chat_source import check_chat_source, sample_config
+from titan_plugins.data.mix import chat_entry, entry_config, mix_entries
+from titan_plugins.data.units import cfg_get, check_source
 
 
 def check_data_source(data_cfg: Any) -> None:

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from titan_plugins.data.batch import Batch
 from titan_plugins.errors import ConfigError
 from titan_plugins.spec import DatasetSpec, resolve
 from titan_plugins.suggest import did_you_mean
-from titan_plugins.train.data.batch import Batch
 
 
 def find_dataset(name: str, datasets: Mapping[str, DatasetSpec]) -> DatasetSpec:
@@ -100,7 +100,7 @@ def build_dataloader(
     if hasattr(dataset, "set_layout"):  # streaming: one stream per row of the global batch
         dataset.set_layout(local_batch_size, grad_accum_steps)
     if isinstance(dataset, torch.utils.data.IterableDataset):  # streaming: torchdata workers
-        from titan_plugins.train.data.stateful_loader import StreamingLoader
+        from titan_plugins.data.stateful_loader import StreamingLoader
 
         workers = int(getattr(data_config, "num_workers", 0) or 0)
         prefetch = int(getattr(data_config, "prefetch_factor", 2) or 2)

@@ -12,11 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from titan_plugins.data.chat_source import build_chat
+from titan_plugins.data.rows import RowStream, check_identity, seeded_rng
+from titan_plugins.data.streaming import StreamingTokenDataset
+from titan_plugins.data.units import SUFFIXES, cfg_get, check_source, plain_config
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.chat_source import build_chat
-from titan_plugins.train.data.rows import RowStream, check_identity, seeded_rng
-from titan_plugins.train.data.streaming import StreamingTokenDataset
-from titan_plugins.train.data.units import SUFFIXES, cfg_get, check_source, plain_config
 
 
 class MixedDataset(RowStream):

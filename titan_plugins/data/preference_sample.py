@@ -8,7 +8,7 @@ a different topic. The
 preference is learnable (stay on the topic of the question), which is what a toy DPO
 run should show: the chosen reward rising above the rejected one.
 
-    python -m titan_plugins.train.data.preference_sample   # rewrites the two files
+    python -m titan_plugins.data.preference_sample   # rewrites the two files
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import json
 import random
 from pathlib import Path
 
-from titan_plugins.train.data.chat_source import ASSETS
+from titan_plugins.data.chat_source import ASSETS
 
 __all__ = ["build", "main", "pairs_from"]
 

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
+from titan_plugins.data.units import record_file_kind
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.units import record_file_kind
-from titan_plugins.train.loss import IGNORE_INDEX
+from titan_plugins.loss.token_loss import IGNORE_INDEX
 
 __all__ = ["PreferenceDataset", "PreferenceSettings", "build_preference", "check_preference", "encode_pair",
            "read_pairs"]
@@ -227,7 +227,7 @@ class PreferenceDataset:
     def __init__(self, data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int, seq_len: int,
                  seed: int) -> None:
         from titan_plugins.chat.template import load_chat_template
-        from titan_plugins.train.data.chat_source import CHAT_TOKENIZER
+        from titan_plugins.data.chat_source import CHAT_TOKENIZER
 
         self.settings = PreferenceSettings.from_config(data_config)
         self.rows = read_pairs(_get(data_config, "path"), _get(data_config, "split", "train"))
@@ -323,7 +323,7 @@ def check_preference(data_config: Any, seq_len: int | None = None) -> None:
     if not rows:
         raise ConfigError(f"data.path={_get(data_config, 'path')!r} holds no rows")
     from titan_plugins.chat.template import load_chat_template
-    from titan_plugins.train.data.chat_source import CHAT_TOKENIZER
+    from titan_plugins.data.chat_source import CHAT_TOKENIZER
 
     template = load_chat_template(settings.template, _get(data_config, "tokenizer") or str(CHAT_TOKENIZER))
     tokenizer = None
@@ -331,7 +331,7 @@ def check_preference(data_config: Any, seq_len: int | None = None) -> None:
         prompt, chosen, rejected = split_pair(row, settings, where)
         if k < 4 or (settings.overlong == "error" and seq_len):  # the template renders them
             if tokenizer is None:
-                from titan_plugins.train.data.tokenizer import build_tokenizer
+                from titan_plugins.data.tokenizer import build_tokenizer
 
                 tokenizer = build_tokenizer(data_config)
             encode_pair(prompt, chosen, rejected, template, tokenizer, settings=settings,
@@ -340,7 +340,7 @@ def check_preference(data_config: Any, seq_len: int | None = None) -> None:
 
 # ------------------------------------------------------------------ shipped sample
 def _sample_paths() -> dict[str, Path]:
-    from titan_plugins.train.data.chat_source import ASSETS
+    from titan_plugins.data.chat_source import ASSETS
 
     return {"train": ASSETS / "preference_sample.jsonl", "validation": ASSETS / "preference_sample_val.jsonl"}
 
@@ -350,7 +350,7 @@ def sample_config(data_config: Any) -> Any:
     default ``data.path`` (``data.split`` train or validation) and the shipped ChatML tokenizer."""
     from types import SimpleNamespace
 
-    from titan_plugins.train.data.chat_source import CHAT_TOKENIZER
+    from titan_plugins.data.chat_source import CHAT_TOKENIZER
 
     split = _get(data_config, "split", "train")
     paths = _sample_paths()

@@ -24,13 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.packing import PackedTokenDataset, SyntheticTokenDataset
-from titan_plugins.train.data.tokenizer import ASSETS, Tokenizer
+from titan_plugins.data.packing import PackedTokenDataset, SyntheticTokenDataset
+from titan_plugins.data.tokenizer import ASSETS, Tokenizer
 
 # find_files lived here before; the tokenizer trainer and users import it from here
-from titan_plugins.train.data.units import find_files as find_files
-from titan_plugins.train.data.units import import_datasets, open_hf
+from titan_plugins.data.units import find_files as find_files
+from titan_plugins.data.units import import_datasets, open_hf
+from titan_plugins.errors import ConfigError
 
 CORPUS = ASSETS / "corpus.jsonl"
 CORPUS_TOKENS = ASSETS / "corpus_tokens.npz"  # the corpus encoded with the shipped tokenizer
@@ -184,7 +184,7 @@ def build_text(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.txt`` file, or every ``.txt`` file under a directory (one document each), streamed."""
-    from titan_plugins.train.data.streaming import build_streaming
+    from titan_plugins.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "text",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -194,7 +194,7 @@ def build_jsonl(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.jsonl`` file (or every one under a directory); ``data.text_field`` per line, streamed."""
-    from titan_plugins.train.data.streaming import build_streaming
+    from titan_plugins.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "jsonl",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -204,7 +204,7 @@ def build_parquet(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """A ``.parquet`` file (or every one under a directory), row group by row group."""
-    from titan_plugins.train.data.streaming import build_streaming
+    from titan_plugins.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "parquet",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -215,7 +215,7 @@ def build_hf(
 ) -> Any:
     """A local Hugging Face dataset (memory-mapped Arrow, read in row ranges);
     ``data.split`` and ``data.text_field`` pick the text."""
-    from titan_plugins.train.data.streaming import build_streaming
+    from titan_plugins.data.streaming import build_streaming
 
     return build_streaming(data_config, tokenizer, "hf",
                            dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
@@ -225,7 +225,7 @@ def build_mix(
     data_config: Any, tokenizer: Tokenizer, *, dp_rank: int, dp_world: int, seq_len: int, seed: int
 ) -> Any:
     """``data.mix``: several streaming sources, each sample drawn by weight."""
-    from titan_plugins.train.data.mix import build_mix as build
+    from titan_plugins.data.mix import build_mix as build
 
     return build(data_config, tokenizer, dp_rank=dp_rank, dp_world=dp_world, seq_len=seq_len, seed=seed)
 

@@ -30,7 +30,7 @@ _BLOCK_CAUSAL = "block_causal"
 
 
 def _tokenizer(data: Any) -> Any:
-    from titan_plugins.train.data.tokenizer import build_tokenizer
+    from titan_plugins.data.tokenizer import build_tokenizer
 
     return build_tokenizer(data)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from titan_plugins.data.batch import Batch
+from titan_plugins.data.rows import check_identity
 from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.batch import Batch
-from titan_plugins.train.data.rows import check_identity
 
 
 class StreamingLoader:

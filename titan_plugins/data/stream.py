@@ -1,5 +1,5 @@
 """The streaming data modules' public names, where they were before the split
-(``titan_plugins.train.data.stream``), for code that imports them from here.
+(``titan_plugins.data.stream``), for code that imports them from here.
 
 The modules, bottom to top (each imports only those before it):
 ``units`` (a source cut into units, records) -> ``rows`` (the stream-per-row layout,
@@ -11,16 +11,16 @@ core imports this module.
 
 from __future__ import annotations
 
-from titan_plugins.train.data.check import check_data_source
-from titan_plugins.train.data.mix import MixedDataset, build_mix, mix_entries
-from titan_plugins.train.data.rows import RowStream, check_identity
-from titan_plugins.train.data.stateful_loader import StreamingLoader
-from titan_plugins.train.data.streaming import (
+from titan_plugins.data.check import check_data_source
+from titan_plugins.data.mix import MixedDataset, build_mix, mix_entries
+from titan_plugins.data.rows import RowStream, check_identity
+from titan_plugins.data.stateful_loader import StreamingLoader
+from titan_plugins.data.streaming import (
     TOKENIZE_BATCH,
     StreamingTokenDataset,
     build_streaming,
 )
-from titan_plugins.train.data.units import SUFFIXES, Unit, plan_units, read_records
+from titan_plugins.data.units import SUFFIXES, Unit, plan_units, read_records
 
 __all__ = [
     "SUFFIXES",

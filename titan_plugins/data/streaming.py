@@ -23,9 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from titan_plugins.errors import ConfigError
-from titan_plugins.train.data.rows import RowStream, check_identity, seeded_rng
-from titan_plugins.train.data.units import (
+from titan_plugins.data.rows import RowStream, check_identity, seeded_rng
+from titan_plugins.data.units import (
     Unit,
     cfg_get,
     check_source,
@@ -34,6 +33,7 @@ from titan_plugins.train.data.units import (
     plan_units,
     read_records,
 )
+from titan_plugins.errors import ConfigError
 
 TOKENIZE_BATCH = 256  # records per encode_batch call
 

@@ -7,7 +7,7 @@ shipped corpus, its special tokens ``<|bos|>`` / ``<|eos|>`` appended last
 (ids 2046/2047), so every text round-trips.
 
 Which tokens are BOS/EOS/padding, and what the tokenizer adds before a text, follow
-transformers' rules, written once in ``titan_plugins.train.special_ids``. ``encode``
+transformers' rules, written once in ``titan_plugins.data.special_ids``. ``encode``
 never adds special tokens; ``encode_text`` adds what transformers' ``tokenizer(text)``
 adds; document packing writes ``prefix`` (``bos_id``) and ``eos_id`` itself.
 """
@@ -45,7 +45,7 @@ class Tokenizer:
     """
 
     def __init__(self, tok: Any, folder: str | Path | None = None) -> None:
-        from titan_plugins.train.special_ids import resolve_special_ids
+        from titan_plugins.data.special_ids import resolve_special_ids
 
         self.tok = tok
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))

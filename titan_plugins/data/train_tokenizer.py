@@ -1,6 +1,6 @@
 """Train a byte-level BPE tokenizer on your own text, for ``data.tokenizer=...``.
 
-    python -m titan_plugins.train.data.train_tokenizer DATA --out tokenizer.json \\
+    python -m titan_plugins.data.train_tokenizer DATA --out tokenizer.json \\
         [--vocab-size 2048] [--text-field text]
 
 ``DATA`` is a ``.txt`` file, a ``.jsonl`` file (text in ``--text-field``) or a
@@ -23,7 +23,7 @@ __all__ = ["read_documents", "main"]
 
 
 def read_documents(path: str, text_field: str) -> list[str]:
-    from titan_plugins.train.data.sources import find_files, read_jsonl, read_text
+    from titan_plugins.data.sources import find_files, read_jsonl, read_text
 
     files = find_files(path, (".txt", ".jsonl"), "train_tokenizer", key="DATA")
     jsonl = [f for f in files if f.suffix == ".jsonl"]
@@ -34,9 +34,9 @@ def read_documents(path: str, text_field: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from titan_plugins.train.data.tokenizer import SPECIAL_TOKENS, train_bpe
+    from titan_plugins.data.tokenizer import SPECIAL_TOKENS, train_bpe
 
-    parser = argparse.ArgumentParser(prog="python -m titan_plugins.train.data.train_tokenizer",
+    parser = argparse.ArgumentParser(prog="python -m titan_plugins.data.train_tokenizer",
                                      description=__doc__.splitlines()[0])
     parser.add_argument("data", help="a .txt or .jsonl file, or a directory of them")
     parser.add_argument("--out", required=True, help="where to write tokenizer.json (a new file)")

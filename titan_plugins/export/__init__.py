@@ -9,6 +9,6 @@
 - ``full``: ``titan-export RUN`` and ``checkpoint.export_hf=true`` (the trained model).
 - ``lora``: a LoRA run's ``merged`` folder and its ``peft-adapter`` folder.
 
-Checkpoint loading (``train/checkpoint.py``, ``peft/checkpoint.py``) imports none of
+Checkpoint loading (``checkpoint/checkpointer.py``, ``peft/checkpoint.py``) imports none of
 this; the export imports what it reads through.
 """

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from titan_plugins.errors import ConfigError
 from titan_plugins.export.hf_folder import export_folder
@@ -16,8 +16,11 @@ from titan_plugins.export.out_dir import claim_out_dir
 from titan_plugins.export.source import find_checkpoint, read_dcp_model
 
 if TYPE_CHECKING:
+    from torch import nn
+    from torch.distributed import ProcessGroup
+
     from titan_plugins.plugins import TitanPluginManager
-    from titan_plugins.train.trainer import Trainer
+    from titan_plugins.spec import ModelSpec
 
 __all__ = ["export_checkpoint", "export_run"]
 
@@ -41,30 +44,32 @@ def export_checkpoint(path: str | Path, out: str | Path, pm: TitanPluginManager 
     return export_folder(spec, config, job, read_dcp_model(checkpoint), out)
 
 
-def export_run(trainer: Trainer, out: str | Path | None = None) -> Path | None:
-    """``checkpoint.export_hf=true``: gather the trained weights to rank 0 and write
-    ``<run_dir>/hf`` there (a LoRA run: merged, and its PEFT adapter in
-    ``<run_dir>/hf-adapter``); every rank returns after rank 0 has written."""
+def export_run(parts: list[nn.Module], *, pp_group: ProcessGroup | None, rank: int, spec: ModelSpec,
+               job: Any, run_dir: str | Path, out: str | Path | None = None) -> Path | None:
+    """``checkpoint.export_hf=true``: gather the trained weights (this rank's model
+    ``parts``) to rank 0 and write ``<run_dir>/hf`` there (a LoRA run: merged, and its
+    PEFT adapter in ``<run_dir>/hf-adapter``); every rank returns after rank 0 has
+    written. ``job`` is the run's resolved config (an OmegaConf DictConfig)."""
     import torch.distributed as dist
 
+    from titan_plugins.checkpoint.checkpointer import full_model_state_dict
     from titan_plugins.config.hydra_glue import model_config
     from titan_plugins.peft.lora import lora_enabled
-    from titan_plugins.train.checkpoint import full_model_state_dict
 
-    sd = full_model_state_dict(trainer.model.parts, trainer.pp_group)
+    sd = full_model_state_dict(parts, pp_group)
     written = None
     failed: ConfigError | None = None
-    if trainer.rank == 0 and sd is not None:
-        config = model_config(trainer.job.model, trainer.spec)
-        out = out or Path(trainer.run_dir) / "hf"  # the run's own: an earlier export of it is replaced
+    if rank == 0 and sd is not None:
+        config = model_config(job.model, spec)
+        out = out or Path(run_dir) / "hf"  # the run's own: an earlier export of it is replaced
         try:  # an export refused (it would not be the trained model) fails the run after the barrier
-            if lora_enabled(trainer.job):  # merged to out, the PEFT adapter to <out>-adapter
+            if lora_enabled(job):  # merged to out, the PEFT adapter to <out>-adapter
                 from titan_plugins.export.lora import export_lora_live
 
-                written = export_lora_live(trainer.spec, config, trainer.job, sd, out, trainer.run_dir)
+                written = export_lora_live(spec, config, job, sd, out, run_dir)
             else:
-                claim_out_dir(out, "full", overwrite=True, protect={"the run directory": trainer.run_dir})
-                written = export_folder(trainer.spec, config, trainer.job, sd, out)
+                claim_out_dir(out, "full", overwrite=True, protect={"the run directory": run_dir})
+                written = export_folder(spec, config, job, sd, out)
         except ConfigError as exc:
             failed = exc
     dist.barrier()

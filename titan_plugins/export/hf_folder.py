@@ -61,7 +61,7 @@ def _tokenizer_file(job: DictConfig) -> Path | None:
         p = p / "tokenizer.json" if p.is_dir() else p
         return p if p.is_file() else None
     try:
-        from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+        from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     except ImportError:
         return None
     p = Path(DEFAULT_TOKENIZER)
@@ -169,7 +169,7 @@ def folder_tokens(job: DictConfig, hf_config: JSONDict, vocab_size: int | None) 
     tokenizer = _tokenizer_file(job)
     tok = None
     if tokenizer is not None:
-        from titan_plugins.train.data.tokenizer import Tokenizer
+        from titan_plugins.data.tokenizer import Tokenizer
 
         try:
             tok = Tokenizer.load(tokenizer)

@@ -31,8 +31,8 @@ class Loaded:
 def _materialize(spec: ModelSpec, job: DictConfig, device: torch.device) -> torch.nn.Module:
     """The run's model as it trained: built on meta, with a LoRA run's adapters
     (``peft=lora``: the same transform, titan_plugins/peft), materialized."""
+    from titan_plugins.model.lifecycle import apply_peft, build_meta_model
     from titan_plugins.peft.lora import init_adapters
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model
 
     model = build_meta_model(spec, job)
     if not supports_generation(model):
@@ -51,13 +51,13 @@ def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManag
     """A run directory (its newest ``step-N``) or one DCP checkpoint inside a run dir.
     A LoRA run's adapter-only checkpoint goes onto its base (``checkpoint.init_from``,
     else ``model.hf``), as a start of the run puts it."""
+    from titan_plugins.checkpoint.checkpointer import load_model_weights
+    from titan_plugins.data.tokenizer import build_tokenizer
     from titan_plugins.export.source import find_checkpoint
     from titan_plugins.peft.lora import lora_enabled
     from titan_plugins.peft.run_weights import load_lora_run_weights
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import typed_job
-    from titan_plugins.train.checkpoint import load_model_weights
-    from titan_plugins.train.data.tokenizer import build_tokenizer
 
     run_dir, checkpoint = find_checkpoint(path)
     job = typed_job(OmegaConf.load(run_dir / "config.yaml"))
@@ -74,10 +74,10 @@ def load_checkpoint(path: str | Path, device: torch.device, pm: TitanPluginManag
 def load_hf(folder: str | Path, model_name: str, device: torch.device, pm: TitanPluginManager | None = None) -> Loaded:
     """A Hugging Face folder through the plugin's config mapping and adapter (``model.hf``)."""
     from titan_plugins.config.hydra_glue import compose, model_config, resolve_job
+    from titan_plugins.data.tokenizer import build_tokenizer
     from titan_plugins.hf.load import load_hf_weights
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import typed_job
-    from titan_plugins.train.data.tokenizer import build_tokenizer
 
     pm = pm or get_plugin_manager()
     spec, job = resolve_job(compose([f"model={model_name}", f"model.hf={folder}"], pm), pm)

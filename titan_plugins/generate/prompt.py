@@ -1,7 +1,7 @@
 """Prompts are tokenized as transformers tokenizes them, which is how training starts a
 document.
 
-The tokenizer's own rules (``titan_plugins.train.special_ids``) say what it adds before
+The tokenizer's own rules (``titan_plugins.data.special_ids``) say what it adds before
 a text: Llama 3's ``<|begin_of_text|>``, Gemma's ``<bos>``, nothing for Qwen3. Training
 packs every document as that prefix, the text, EOS; ``encode_prompt`` gives the prefix
 and the text (``tokenizer(text)`` of transformers, without what it may add after a

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from titan_plugins.errors import ConfigError
-from titan_plugins.hf.export import export_checkpoint
+from titan_plugins.export.full import export_checkpoint
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -84,9 +84,9 @@ def _job(model_name: str, folder: str | Path, overrides: Sequence[str] | Mapping
          pm: TitanPluginManager) -> tuple[ModelSpec, DictConfig]:
     """The resolved, typed job of ``model=NAME model.hf=FOLDER *overrides`` (no data checks)."""
     from titan_plugins.config.hydra_glue import compose, resolve_job
+    from titan_plugins.data.special_tokens import hand_special_tokens
     from titan_plugins.hf.config import read_hf_config
     from titan_plugins.train.api import typed_job
-    from titan_plugins.train.special_tokens import hand_special_tokens
 
     read_hf_config(folder)  # the folder's own one-line errors first
     cfg = compose([f"model={model_name}", f"model.hf={Path(folder)}", *_override_list(overrides)], pm)
@@ -162,7 +162,7 @@ def load_hf_model(
         with torch.device("meta"):
             model = spec.load("build")(config)
     else:
-        from titan_plugins.train.lifecycle import parallelized_parts
+        from titan_plugins.model.lifecycle import parallelized_parts
 
         ((_, model),) = parallelized_parts(spec, job, dims, pm)
     model.to_empty(device=device)
@@ -214,8 +214,8 @@ def export_model(
     new or empty, or (``overwrite=True``) an earlier full export."""
     from omegaconf import OmegaConf
 
-    from titan_plugins.hf.export import export_folder
-    from titan_plugins.hf.out_dir import claim_out_dir
+    from titan_plugins.export.hf_folder import export_folder
+    from titan_plugins.export.out_dir import claim_out_dir
     from titan_plugins.plugins import get_plugin_manager
 
     if isinstance(spec_or_name, str):

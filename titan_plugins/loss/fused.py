@@ -20,7 +20,7 @@ logits nor their gradient exist whole. Two ways, by what the gradient needs:
   under ``token_nll``): the forward keeps only the hidden states, the backward
   recomputes one chunk's logits at a time: one more head matmul per step.
 
-The losses (``train/loss.py``) see the tag and take this path; anything else takes the
+The losses (``loss/token_loss.py``) see the tag and take this path; anything else takes the
 old one. The head is called without its module hooks (a TP plan's output hook would
 reshard hidden states as if they were logits); what the hooks did is done here: the
 hidden states are made a ``Replicate`` DTensor on the head's mesh when its weight is a

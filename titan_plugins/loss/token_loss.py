@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from titan_plugins.train.fused_loss import chunked_ce, head_ref
+from titan_plugins.loss.fused import chunked_ce, head_ref
 
 IGNORE_INDEX = -100
 
@@ -25,7 +25,7 @@ def token_loss_sum(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     ``output`` is what the model's last part returned. Objectives compute their losses
     only through this function and :func:`token_nll`, never from logits directly, so
     that how the logits are produced (whole, or in chunks fused with the head) stays
-    this module's business: a deferred head's hidden states (train/fused_loss.py)
+    this module's business: a deferred head's hidden states (loss/fused.py)
     take the chunked path, whole logits the plain one."""
     ref = head_ref(output)
     if ref is not None:

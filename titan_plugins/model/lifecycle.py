@@ -18,6 +18,7 @@ from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.float8 import convert_float8
 from titan_plugins.distributed.fsdp import to_torch_dtype
 from titan_plugins.errors import ConfigError
+from titan_plugins.loss.fused import defer_heads
 from titan_plugins.peft.lora import (
     adapter_parameters,
     apply_lora,
@@ -27,7 +28,6 @@ from titan_plugins.peft.lora import (
 )
 from titan_plugins.peft.qlora import apply_qlora, base_aside, check_qlora, qlora_enabled, shard_base
 from titan_plugins.spec import ModelSpec
-from titan_plugins.train.fused_loss import defer_heads
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -189,7 +189,7 @@ def build_model_parts(
     """Build, split, parallelize, materialize and initialise this rank's model parts.
 
     ``fused_loss``: the part holding the head returns hidden states for the losses of
-    ``train/loss.py`` to project in chunks (``train/fused_loss.py``), unless
+    ``loss/token_loss.py`` to project in chunks (``loss/fused.py``), unless
     ``training.loss_chunk_size=0``; ``False`` where a caller wants the logits themselves."""
     split = parallelized_parts(spec, job, parallel_dims, pm)
     parts = [part for _, part in split]

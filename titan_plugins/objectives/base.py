@@ -10,7 +10,7 @@ as gradient accumulation and the DP gradient reduction do, gives the global mean
 any layout; and a dict of *sums* (the metrics' numerators) that the trainer adds up
 the same way and hands to ``metrics`` once per step.
 
-Losses come from the model's output only through ``titan_plugins.train.loss``'s
+Losses come from the model's output only through ``titan_plugins.loss.token_loss``'s
 ``token_loss_sum`` / ``token_nll`` (how the logits are produced is that module's
 business).
 """
@@ -65,7 +65,7 @@ class Objective(ABC):
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         """This microbatch's share of the normaliser (default: label tokens)."""
-        from titan_plugins.train.loss import count_tokens
+        from titan_plugins.loss.token_loss import count_tokens
 
         return count_tokens(labels)
 

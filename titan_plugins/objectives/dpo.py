@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.loss.token_loss import IGNORE_INDEX, token_nll
 from titan_plugins.objectives.base import Objective
-from titan_plugins.train.loss import IGNORE_INDEX, token_nll
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -146,7 +146,7 @@ class DPOObjective(Objective):
                               "log-probs in one place (the policy's and the reference's); use FSDP/TP without PP")
         pref = job.data.get("preference") if hasattr(job.data, "get") else None
         if pref is not None and pref.get("overlong") == "error":  # every pair must fit: checked now
-            from titan_plugins.train.data import preference_source as source
+            from titan_plugins.data import preference_source as source
 
             check = source.check_preference_sample if data == "preference_sample" else source.check_preference
             check(job.data, int(job.training.seq_len))

@@ -28,7 +28,8 @@ from titan_plugins.errors import ConfigError
 from titan_plugins.peft.lora import adapter_modules, lora_enabled
 
 if TYPE_CHECKING:
-    from titan_plugins.train.lifecycle import ModelParts
+    from titan_plugins.model.lifecycle import ModelParts
+    from titan_plugins.objectives.job import JobView
 
 __all__ = ["PrecomputedReference", "Reference", "adapters_off", "build_reference"]
 
@@ -60,7 +61,7 @@ class Reference:
                  labels: torch.Tensor | None = None) -> Any:
         """``reduce(output)`` of the reference's forward, computed inside the forward's
         contexts: the output may be the last hidden state with a reference to the head
-        (train/loss.py computes logits chunk by chunk), so the head's weights must still
+        (loss/token_loss.py computes logits chunk by chunk), so the head's weights must still
         be gathered (FSDP) and the adapters still off when the loss reads it."""
         from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
 
@@ -87,16 +88,16 @@ class PrecomputedReference:
         return self.store.lookup(inputs, labels, self.device)
 
 
-def _epoch_batches(trainer: Any, loader: Any) -> int:
+def _epoch_batches(run: JobView, loader: Any) -> int:
     """Microbatches per rank that cover every pair of the source once (its first epoch)."""
     dataset = getattr(loader, "dataset", None)
     try:
         pairs = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError(f"objective.precompute_ref=true needs a data source of known length (data.name="
-                          f"{trainer.job.data.name} streams); use data=preference") from None
-    per_step = int(trainer.job.training.local_batch_size) // 2 * trainer.dims.dp_size * trainer.accum
-    return -(-pairs // per_step) * trainer.accum
+                          f"{run.config.data.name} streams); use data=preference") from None
+    per_step = int(run.config.training.local_batch_size) // 2 * run.dims.dp_size * run.accum
+    return -(-pairs // per_step) * run.accum
 
 
 def _store_meta(job: Any) -> dict[str, Any]:
@@ -117,7 +118,7 @@ def _store_meta(job: Any) -> dict[str, Any]:
     return json.loads(json.dumps(meta, default=str))  # plain values (enums as text): a weights-only load reads them
 
 
-def precomputed_reference(trainer: Any) -> PrecomputedReference:
+def precomputed_reference(run: JobView) -> PrecomputedReference:
     """Read the run directory's store, or run the first pass (every rank, the training
     loader's first epoch and the validation batches, the policy at its starting
     weights as the reference) and write it."""
@@ -125,49 +126,49 @@ def precomputed_reference(trainer: Any) -> PrecomputedReference:
 
     from titan_plugins.objectives.precompute import STORE, ReferenceStore, first_pass, on_every_rank
 
-    job, objective = trainer.job, trainer.objective
-    path = Path(trainer.run_dir) / STORE
-    meta = _store_meta(job)
+    config, objective = run.config, run.objective
+    path = Path(run.run_dir) / STORE
+    meta = _store_meta(config)
     if on_every_rank(path):
         store = ReferenceStore.load(path, meta)
-        return PrecomputedReference(store, trainer.device, len(store.values))
-    policy = Reference(trainer.model, None)  # the starting weights (adapters off under LoRA)
+        return PrecomputedReference(store, run.device, len(store.values))
+    policy = Reference(run.model, None)  # the starting weights (adapters off under LoRA)
 
     def values_of(inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        inputs, labels = inputs.to(trainer.device), labels.to(trainer.device)
-        with trainer._loss_context():  # as the train step calls the reference (step.py)
+        inputs, labels = inputs.to(run.device), labels.to(run.device)
+        with run.loss_context():  # as the train step calls the reference (step.py)
             return policy(inputs, lambda out: objective.reference_stats(out, labels))
 
     def batches() -> Any:
         # A second loader built as the trainer builds its own (same rows, same microbatches).
-        loader = trainer._build_dataloader()
-        for _ in range(_epoch_batches(trainer, loader)):
+        loader = run.build_dataloader()
+        for _ in range(_epoch_batches(run, loader)):
             yield next(loader)[:2]
-        if trainer.validator is not None:  # the validator's batches: a fresh loader, the same rows each time
-            rows = iter(trainer.validator._loader())
-            for _ in range(int(job.validation.steps)):
+        rows = run.validation_batches()  # the validator's batches: a fresh loader, the same rows each time
+        if rows is not None:
+            for _ in range(int(config.validation.steps)):
                 yield next(rows)[:2]
 
     store = ReferenceStore(path, ReferenceStore.gather(first_pass(batches(), values_of)), computed=True)
-    if trainer.rank == 0:
+    if run.rank == 0:
         store.save(meta)
-    return PrecomputedReference(store, trainer.device, len(store.values))
+    return PrecomputedReference(store, run.device, len(store.values))
 
 
-def build_reference(trainer: Any) -> Reference | PrecomputedReference:
-    """The reference of ``trainer``'s policy: call after the policy's weights are loaded
+def build_reference(run: JobView) -> Reference | PrecomputedReference:
+    """The reference of the running policy (``run.model``): call after the policy's weights are loaded
     (before a checkpoint's: resuming happens after, so these are the starting weights)."""
-    if trainer.job.objective.get("precompute_ref"):
-        return precomputed_reference(trainer)
-    if lora_enabled(trainer.job):
-        return Reference(trainer.model, None)
-    from titan_plugins.train.lifecycle import build_model_parts
+    if run.config.objective.get("precompute_ref"):
+        return precomputed_reference(run)
+    if lora_enabled(run.config):
+        return Reference(run.model, None)
+    from titan_plugins.model.lifecycle import build_model_parts
 
-    frozen = build_model_parts(trainer.spec, trainer.job, trainer.dims, trainer.device, trainer.pm, None)
+    frozen = build_model_parts(run.spec, run.config, run.dims, run.device, run.pm, None)
     with torch.no_grad():
-        for ref_part, part in zip(frozen.parts, trainer.model.parts, strict=True):
+        for ref_part, part in zip(frozen.parts, run.model.parts, strict=True):
             mine = dict(part.named_parameters())
             for name, param in ref_part.named_parameters():
                 param.copy_(mine[name].detach())  # DTensor to DTensor: same placements
                 param.requires_grad_(False)
-    return Reference(trainer.model, frozen)
+    return Reference(run.model, frozen)

@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from titan_plugins.loss.token_loss import GlobalTokenLoss
 from titan_plugins.objectives.base import Objective
-from titan_plugins.train.loss import GlobalTokenLoss
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig

@@ -9,12 +9,15 @@ and metric sums are (``loss``). Under PP the schedule runs the objective's
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from titan_plugins.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_plugins.objectives.job import JobView
 
 __all__ = ["add_counts", "global_count", "primary", "run_microbatches"]
 
@@ -25,17 +28,17 @@ def _local(x: torch.Tensor) -> torch.Tensor:
     return (x.full_tensor() if isinstance(x, DTensor) else x).detach()
 
 
-def global_count(trainer: Any, batches: list[Any]) -> float | tuple[float, ...]:
+def global_count(run: JobView, batches: list[Any]) -> float | tuple[float, ...]:
     """The objective's count over ``batches`` summed over the data-parallel ranks; the
     same on every rank, so a 0 stops every rank together (one line)."""
-    objective = trainer.objective
+    objective = run.objective
     total = sum(objective.count(batch[1]) for batch in batches).to(torch.float64)
-    if trainer.dp_group is not None:
-        total = total.to(trainer.device)
-        dist.all_reduce(total, group=trainer.dp_group)
+    if run.dp_group is not None:
+        total = total.to(run.device)
+        dist.all_reduce(total, group=run.dp_group)
     count: float | tuple[float, ...] = float(total.item()) if total.dim() == 0 else tuple(total.tolist())
     if primary(count) == 0:
-        raise ConfigError(objective.empty_message(trainer.job))
+        raise ConfigError(objective.empty_message(run.config))
     return count
 
 
@@ -48,7 +51,7 @@ def add_counts(a: Any, b: Any) -> Any:
     return b if a is None else (a + b if isinstance(a, float) else tuple(x + y for x, y in zip(a, b)))
 
 
-def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
+def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
                      acc_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict[str, float], Any]:
     """``(loss, sums, count)`` of ``batches`` on this rank: ``loss`` this rank's part of
     the global loss (summed in ``acc_dtype``; the caller all-reduces it), ``sums`` the
@@ -56,25 +59,25 @@ def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
     ``train=True`` runs backward (and the pipeline schedule's ``step``; else ``eval``)."""
     from titan_plugins.components.attention_masks import documents
 
-    objective = trainer.objective
-    count = global_count(trainer, batches)
-    model = trainer.model
+    objective = run.objective
+    count = global_count(run, batches)
+    model = run.model
     objective.set_scale(count)
-    loss_sum = torch.zeros((), dtype=acc_dtype, device=trainer.device)
+    loss_sum = torch.zeros((), dtype=acc_dtype, device=run.device)
     sums: dict[str, torch.Tensor] = {}
     for batch in batches:
-        inputs, labels = batch[0].to(trainer.device), batch[1].to(trainer.device)
+        inputs, labels = batch[0].to(run.device), batch[1].to(run.device)
         doc_ids = getattr(batch, "doc_ids", None)
-        with documents(None if doc_ids is None else doc_ids.to(trainer.device)) as docs:
+        with documents(None if doc_ids is None else doc_ids.to(run.device)) as docs:
             if model.pp:
-                _pipeline(trainer, inputs, labels, train, loss_sum)
+                _pipeline(run, inputs, labels, train, loss_sum)
             else:
                 reference = None
                 if objective.needs_reference:
-                    with torch.no_grad(), trainer._loss_context():
-                        reference = trainer.reference(
+                    with torch.no_grad(), run.loss_context():
+                        reference = run.reference(
                             inputs, lambda out, labels=labels: objective.reference_stats(out, labels), labels)
-                with trainer._loss_context():
+                with run.loss_context():
                     loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference)
                     if train:
                         loss.backward()
@@ -83,35 +86,35 @@ def run_microbatches(trainer: Any, batches: list[Any], *, train: bool,
                     sums[key] = sums.get(key, 0) + _local(value).double()
         if train and docs is not None and not docs.used:
             raise ConfigError(
-                f"data.name={trainer.job.data.name} packs several documents per row, but the model "
+                f"data.name={run.config.data.name} packs several documents per row, but the model "
                 "ignored their document ids (they would attend to each other): set "
                 "model.attn_mask=block_causal where the model has it, or data.chat.pack=false"
             )
-    return loss_sum, _reduced(trainer, sums), count
+    return loss_sum, _reduced(run, sums), count
 
 
-def _pipeline(trainer: Any, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
+def _pipeline(run: JobView, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
               loss_sum: torch.Tensor) -> None:
     """Run the schedule (the last stage computes the loss); add its microbatch losses
     to ``loss_sum`` one by one (the summation order of the step's log line)."""
     from titan_plugins.distributed.pipeline import stage_inputs
 
-    model = trainer.model
+    model = run.model
     losses: list[torch.Tensor] = []
-    extra = stage_inputs(model.parts[0], trainer.spec.pipeline, inputs)
+    extra = stage_inputs(model.parts[0], run.spec.pipeline, inputs)
     args = (inputs,) if model.has_first else ()
-    with trainer._loss_context():
+    with run.loss_context():
         run = model.schedule.step if train else model.schedule.eval
         run(*args, target=labels, losses=losses, **extra)
     for mb_loss in losses:
         loss_sum += _local(mb_loss).to(loss_sum.dtype)
 
 
-def _reduced(trainer: Any, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+def _reduced(run: JobView, sums: dict[str, torch.Tensor]) -> dict[str, float]:
     if not sums:
         return {}
     keys = sorted(sums)
-    flat = torch.stack([sums[k].to(trainer.device) for k in keys])
-    if trainer.dp_group is not None:
-        dist.all_reduce(flat, group=trainer.dp_group)
+    flat = torch.stack([sums[k].to(run.device) for k in keys])
+    if run.dp_group is not None:
+        dist.all_reduce(flat, group=run.dp_group)
     return dict(zip(keys, flat.tolist()))

@@ -6,7 +6,7 @@ RNG: no frozen base weight. The base comes from ``model.hf`` or
 ``checkpoint.init_from`` at every start, before the resume, so a resume is bitwise.
 
 (A LoRA run's checkpoint loaded into a fresh model, as titan-generate does, is
-``run_weights.py``: it reads through ``train/checkpoint.py``, which imports this.)
+``run_weights.py``: it reads through ``checkpoint/checkpointer.py``, which imports this.)
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def checkpoint_filter(job: DictConfig) -> Callable[[str], bool] | None:
 def adapter_shapes(spec: ModelSpec, job: DictConfig) -> Shapes:
     """Every adapted module of the run's model (built on meta): ``{name: (out, in)}``,
     grouped expert pairs ``{name: (experts, out, in)}``."""
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model
+    from titan_plugins.model.lifecycle import apply_peft, build_meta_model
 
     model = build_meta_model(spec, job)
     apply_peft(model, spec, job)

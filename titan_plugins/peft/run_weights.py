@@ -1,7 +1,7 @@
 """A LoRA run's checkpoint loaded into a fresh model in one process (titan-generate,
 titan-eval): a full checkpoint as it is, an adapter-only one over its base.
 
-Its own module because it reads through ``train/checkpoint.py``, which imports
+Its own module because it reads through ``checkpoint/checkpointer.py``, which imports
 ``peft/checkpoint.py`` (what a checkpoint keeps); this one sits above both.
 """
 
@@ -32,12 +32,12 @@ def load_lora_run_weights(parts: list[torch.nn.Module], spec: ModelSpec, job: Di
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-    from titan_plugins.errors import ConfigError
-    from titan_plugins.train.checkpoint import (
+    from titan_plugins.checkpoint.checkpointer import (
         _checkpoint_keys,
         load_model_weights,
         model_state_dict,
     )
+    from titan_plugins.errors import ConfigError
 
     checkpoint = Path(checkpoint)
     keys = _checkpoint_keys(checkpoint)

@@ -49,7 +49,7 @@ def coordinates(dims: ParallelDims) -> dict[str, int]:
 def build_rank_parts(spec: ModelSpec, job: DictConfig, dims: ParallelDims, rank: int, pm: TitanPluginManager) -> RankParts:
     """Build this rank's parts; needs the fake world of ``rank`` to be active."""
     from titan_plugins.distributed import pipeline
-    from titan_plugins.train.lifecycle import parallelized_parts
+    from titan_plugins.model.lifecycle import parallelized_parts
 
     dims.build_meshes("cpu")
     coords = coordinates(dims)

@@ -126,8 +126,8 @@ def parallel_copy(spec: Any, job: Any, world: int, pm: Any, ref: nn.Module) -> t
     the plugin's plan, adapters placed like their base), holding ``ref``'s weights: for
     comparing one layout against one process. Returns the part and the ``ParallelDims``."""
     from titan_plugins.distributed.parallel_dims import ParallelDims
+    from titan_plugins.model.lifecycle import build_model_parts
     from titan_plugins.peft.lora import set_full
-    from titan_plugins.train.lifecycle import build_model_parts
 
     dims = ParallelDims.from_config(job.parallelism, world)
     dims.build_meshes("cpu")
@@ -190,7 +190,7 @@ def one_process_model(spec: Any, job: Any, hf_dir: str | None = None, *, seed: i
     tensor as it is read (never whole at full precision), without it from the random init."""
     from titan_plugins.config.hydra_glue import model_config
     from titan_plugins.hf.load import load_hf_weights
-    from titan_plugins.train.lifecycle import apply_peft, build_meta_model, materialize
+    from titan_plugins.model.lifecycle import apply_peft, build_meta_model, materialize
 
     model = build_meta_model(spec, job)
     apply_peft(model, spec, job)

@@ -79,12 +79,12 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
         validate(config, dims)
     n_layers = None
     if dims.pp > 1:
-        from titan_plugins.train.lifecycle import build_meta_model
+        from titan_plugins.model.lifecycle import build_meta_model
 
         n_layers = len(getattr(build_meta_model(spec, job), spec.pipeline.layers_attr))
     validate_pipeline(par, int(training.local_batch_size), n_layers)
     if job.precision.compute_dtype is not None:
-        from titan_plugins.train.lifecycle import build_meta_model
+        from titan_plugins.model.lifecycle import build_meta_model
 
         build_meta_model(spec, job)  # raises if the model has no set_compute_dtype
     from titan_plugins.peft.lora import lora_enabled
@@ -96,11 +96,11 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
         folder = job.peft.init_from
         if folder and not (Path(folder) / "adapter_config.json").is_file():
             raise ConfigError(f"peft.init_from={folder}: no PEFT adapter there (missing adapter_config.json)")
-    from titan_plugins.train.data.loader import find_dataset
+    from titan_plugins.data.loader import find_dataset
 
     find_dataset(job.data.name, pm.datasets())
     _check_vocab(config, job.data)
-    from titan_plugins.train.special_tokens import check_attention_mask
+    from titan_plugins.data.special_tokens import check_attention_mask
 
     check_attention_mask(config, job.data)
     from titan_plugins.train.validation import check_validation
@@ -121,7 +121,7 @@ def _check_vocab(model_config: Any, data: DictConfig) -> None:
     if data.name == "synthetic" and data.vocab_size:
         data_vocab, source = int(data.vocab_size), f"data.vocab_size={data.vocab_size}"
     else:
-        from titan_plugins.train.data.tokenizer import build_tokenizer
+        from titan_plugins.data.tokenizer import build_tokenizer
 
         data_vocab = build_tokenizer(data).vocab_size
         where = f"data.tokenizer={data.tokenizer}" if data.tokenizer else "the shipped tokenizer"
@@ -151,7 +151,7 @@ def finish_job(cfg: DictConfig, pm: TitanPluginManager, *, run_dir: str | os.Pat
     from titan_plugins.config.hydra_glue import resolve_job
 
     spec, job = resolve_job(cfg, pm)
-    from titan_plugins.train.special_tokens import hand_document_mask, hand_special_tokens
+    from titan_plugins.data.special_tokens import hand_document_mask, hand_special_tokens
 
     note = hand_document_mask(spec, job, cfg.model)  # packed conversations: block-causal
     if note and note not in _NOTED:  # the job is prepared more than once per launch

@@ -8,13 +8,13 @@ read end with one line naming the key and the value, before any rank starts
   degrees are ``ParallelDims``' (``dp_shard=-1`` is no interval).
 - Data: the chosen dataset's ``DatasetSpec.check`` (a ``"module:function"`` reference,
   ``check(data_config)`` raising ``ConfigError``) runs here. A data source declares
-  its own check when it registers (``train/data/builtin.py`` for text, jsonl, parquet,
+  its own check when it registers (``data/builtin.py`` for text, jsonl, parquet,
   hf and mix); a source without one (builtin, synthetic) is checked by its builder in
   the ranks.
 - ``model.hf``: every ``*.safetensors`` header is read (length, JSON, data offsets
   within the file), so a truncated or foreign file is one line naming it.
 - Output folders the run will write (``checkpoint.export_hf``'s ``<run_dir>/hf``, a
-  seed checkpoint) follow ``titan_plugins.hf.out_dir``: nothing of the user's is replaced.
+  seed checkpoint) follow ``titan_plugins.export.out_dir``: nothing of the user's is replaced.
 - Sinks: an enabled MLflow sink's tracking URI must be one the installed client serves.
 """
 
@@ -129,7 +129,7 @@ def check_data(data: Any, datasets: Mapping[str, DatasetSpec] | None = None) -> 
     """The chosen dataset's own ``check`` (``DatasetSpec.check``), if it declares one.
     An unknown ``data.name`` is left to ``find_dataset`` (one line with a suggestion)."""
     if datasets is None:
-        from titan_plugins.train.data.builtin import DATASETS
+        from titan_plugins.data.builtin import DATASETS
 
         datasets = {spec.name: spec for spec in DATASETS}
     spec = datasets.get(data.name)
@@ -203,7 +203,7 @@ def _check_outputs(job: DictConfig) -> None:
         return
     ckpt = job.checkpoint
     if ckpt.get("export_hf"):
-        from titan_plugins.hf.out_dir import claim_out_dir
+        from titan_plugins.export.out_dir import claim_out_dir
         from titan_plugins.peft.export import export_hf_folders  # a LoRA run: merged + adapter
 
         for folder, kind in export_hf_folders(job, Path(run_dir) / "hf"):

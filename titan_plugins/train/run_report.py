@@ -249,7 +249,7 @@ class RunReport:
             print("\n".join(header_lines(**self._header_fields(start_step))), flush=True)
 
     def _header_fields(self, start_step: int) -> dict[str, Any]:
-        from titan_plugins.train.lifecycle import build_meta_model
+        from titan_plugins.model.lifecycle import build_meta_model
 
         t = self.trainer
         job, dims = t.job, t.dims

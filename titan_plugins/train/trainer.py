@@ -11,22 +11,27 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
+from titan_plugins.checkpoint.checkpointer import (
+    Checkpointer,
+    full_model_state_dict,
+    load_model_weights,
+)
 from titan_plugins.config.hydra_glue import model_config
 from titan_plugins.distributed.clip_grad import clip_grad_norm_
 from titan_plugins.distributed.parallel_dims import ParallelDims, default_device_and_backend
+from titan_plugins.model.lifecycle import ModelParts, build_model_parts
+from titan_plugins.model.optimizer import build_lr_scheduler, build_optimizer
 from titan_plugins.objectives.step import primary, run_microbatches
 from titan_plugins.spec import ModelSpec
-from titan_plugins.train.checkpoint import Checkpointer, full_model_state_dict, load_model_weights
-from titan_plugins.train.lifecycle import ModelParts, build_model_parts
 from titan_plugins.train.metrics import memory_gib
 from titan_plugins.train.nonfinite import NonFiniteGuard
-from titan_plugins.train.optimizer import build_lr_scheduler, build_optimizer
 from titan_plugins.train.peak import mfu_percent, run_peak_tflops
 from titan_plugins.train.preemption import Preemption
 from titan_plugins.train.profiling import StepProfiler
@@ -36,8 +41,8 @@ from titan_plugins.train.validation import Validator
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.data.loader import DataLoader
     from titan_plugins.plugins import TitanPluginManager
-    from titan_plugins.train.data.loader import DataLoader
 
 __all__ = ["Trainer", "init_distributed", "set_determinism"]
 
@@ -101,7 +106,9 @@ class Trainer:
 
             load_adapter_folder(self.model.parts, spec, model_config(job.model, spec), job)
         # before the reference: a precomputed reference also scores the validator's rows,
-        # under the loss context the train step uses (_loss_context)
+        # under the loss context the train step uses (loss_context), summed over DP
+        self.dp_group = self.dims.mesh("dp").get_group() if self.dims.dp_enabled else None
+        self.pp_group = self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None
         self.loss_parallel = self.dims.tp_enabled and bool(job.parallelism.loss_parallel)
         self.validator = Validator(self) if job.validation.enabled else None
         self.reference = None
@@ -120,12 +127,10 @@ class Trainer:
             for fn in hooks_ref(self.model.parts, self.dims) or []:
                 self.optimizers[0].register_step_pre_hook(lambda *_args, _fn=fn: _fn())
 
-        self.dataloader = self._build_dataloader()
+        self.dataloader = self.build_dataloader()
         self.checkpointer = Checkpointer(
             job, run_dir, self.model.parts, self.optimizers, self.schedulers, self.dataloader
         )
-        self.dp_group = self.dims.mesh("dp").get_group() if self.dims.dp_enabled else None
-        self.pp_group = self.dims.mesh("pp").get_group() if self.dims.pp_enabled else None
         self.nonfinite = NonFiniteGuard(job.training.get("nonfinite", "stop"),
                                         job.training.get("nonfinite_max_skips", 5),
                                         rank=self.rank, world=self.world, device=self.device)
@@ -139,9 +144,13 @@ class Trainer:
         self.peak_source = ("metrics.peak_tflops" if job.metrics.get("peak_tflops") else
                             "probed on this CPU" if self.device.type == "cpu" else "device data sheet")
 
-    # ------------------------------------------------------------------ setup
-    def _build_dataloader(self) -> DataLoader:
-        from titan_plugins.train.data import build_dataloader, build_tokenizer
+    # ------------------------------------------- the objectives' view (objectives.job.JobView)
+    @property
+    def config(self) -> DictConfig:
+        return self.job
+
+    def build_dataloader(self) -> DataLoader:
+        from titan_plugins.data import build_dataloader, build_tokenizer
 
         data_cfg = self.job.data
         tokenizer = self.tokenizer = build_tokenizer(data_cfg)
@@ -157,12 +166,22 @@ class Trainer:
             grad_accum_steps=self.accum,  # the global batch's rows, the same at any layout
         )
 
-    def _loss_context(self):
+    def loss_context(self) -> contextlib.AbstractContextManager[Any]:
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
 
             return loss_parallel()
         return contextlib.nullcontext()
+
+    def validation_batches(self) -> Iterator[Any] | None:
+        return iter(self.validator.loader()) if self.validator is not None else None
+
+    def step_rng(self, step: int) -> torch.Generator:
+        from titan_plugins.objectives.job import step_seed
+
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(step_seed(int(self.job.training.seed), self.rank, step))
+        return generator
 
     # ------------------------------------------------------------------ step
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float, float]:
@@ -232,9 +251,10 @@ class Trainer:
         if job.training.dump_final_params:
             self.dump_final_params()
         if job.checkpoint.get("export_hf"):
-            from titan_plugins.hf.export import export_run
+            from titan_plugins.export.full import export_run
 
-            export_run(self)
+            export_run(self.model.parts, pp_group=self.pp_group, rank=rank, spec=self.spec, job=job,
+                       run_dir=self.run_dir)
         return metrics
 
     def _loop(self, step: int, report: RunReport, profiler: StepProfiler) -> tuple[int, dict[str, float]]:

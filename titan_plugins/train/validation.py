@@ -73,9 +73,9 @@ class Validator:
     def due(self, step: int, last_step: int) -> bool:
         return step % self.every == 0 or step == last_step
 
-    def _loader(self) -> Any:
+    def loader(self) -> Any:
         t = self.trainer
-        from titan_plugins.train.data import build_dataloader, build_tokenizer
+        from titan_plugins.data import build_dataloader, build_tokenizer
 
         data = self.data_config
         return build_dataloader(
@@ -98,7 +98,7 @@ class Validator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=t.device)
         count_sum: Any = None
         sums: dict[str, float] = {}
-        rows = iter(self._loader())
+        rows = iter(self.loader())
         with moe_counters_kept(model.parts), resharded(model.parts):
             for _ in range(self.steps):
                 batch_loss, batch_sums, count = run_microbatches(t, [next(rows)], train=False,

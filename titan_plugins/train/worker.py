@@ -57,8 +57,8 @@ def create_seed_checkpoint(spec: ModelSpec, job: DictConfig, run_dir: Path) -> P
     """Build on one rank, ``init_weights`` with the seed, save the model with DCP."""
     import torch
 
-    from titan_plugins.train.checkpoint import save_model_weights
-    from titan_plugins.train.lifecycle import build_meta_model
+    from titan_plugins.checkpoint.checkpointer import save_model_weights
+    from titan_plugins.model.lifecycle import build_meta_model
 
     model = build_meta_model(spec, job)
     model.to_empty(device="cpu")

@@ -9,8 +9,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from titan_plugins.loss.token_loss import IGNORE_INDEX
 from titan_plugins.objectives import build_objective, discover
-from titan_plugins.train.loss import IGNORE_INDEX
 
 
 def test_it_is_discovered_from_its_distribution():

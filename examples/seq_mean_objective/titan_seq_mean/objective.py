@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from titan_plugins.loss.token_loss import IGNORE_INDEX, token_nll
 from titan_plugins.objectives.base import Objective
-from titan_plugins.train.loss import IGNORE_INDEX, token_nll
 
 __all__ = ["SequenceMeanSFT"]
 

@@ -184,8 +184,8 @@ def test_export_is_the_trained_model(tmp_path):
     max_position_embeddings is the folder's (64), not training.seq_len (16)."""
     from safetensors.torch import load_file
 
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     from titan_plugins.testing.hf_check import check_export_is_trained_model
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     folder = tmp_path / "hf"
     hf_folder(folder, vocab_size=2048)

@@ -39,8 +39,8 @@ api = pytest.importorskip("titan_plugins.train.api")
 
 from titan_hf.testing import reference_model, save_folder  # noqa: E402
 
-from titan_plugins.train.data.tokenizer import ASSETS  # noqa: E402
-from titan_plugins.train.loss import IGNORE_INDEX  # noqa: E402
+from titan_plugins.data.tokenizer import ASSETS  # noqa: E402
+from titan_plugins.loss.token_loss import IGNORE_INDEX  # noqa: E402
 
 TRAIN_ROWS, HELD_OUT = ASSETS / "chat_sample.jsonl", ASSETS / "chat_sample_val.jsonl"
 # ChatML with "<role> says:" headers (no shipped template renders that) and
@@ -117,8 +117,8 @@ def _hf_conversations(path: Path, tok: Any) -> list[tuple[list[int], list[int]]]
 
 def _batches(result: Any, validation: bool, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The run's first ``n`` (inputs, labels) batches of one rank, rebuilt from its config."""
+    from titan_plugins.data import build_dataloader, build_tokenizer
     from titan_plugins.plugins import get_plugin_manager
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
     from titan_plugins.train.validation import validation_data_config
     from titan_plugins.train.worker import load_job
 
@@ -199,7 +199,7 @@ def test_validation_loss_equals_transformers_on_the_export(trained, folder):
 @pytest.mark.slow
 def test_titan_generate_chat_reply_equals_transformers_greedy(trained, folder, capsys):
     from titan_plugins.cli.generate import main as generate_main
-    from titan_plugins.train.data.tokenizer import Tokenizer
+    from titan_plugins.data.tokenizer import Tokenizer
 
     question, n = "What does the assert statement do?", 12
     assert generate_main([str(trained.run_dir), "--chat", question, "--max-new-tokens", str(n),

@@ -13,8 +13,8 @@ from titan_hf.testing import save_folder  # noqa: E402
 
 @pytest.mark.slow
 def test_train_then_export_is_the_trained_model(tmp_path):
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     from titan_plugins.testing.hf_check import check_export_is_trained_model
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     # Gemma 3: tied (no lm_head in the folder, none written back), sliding + full layers
     folder = save_folder("tiny_gemma3", tmp_path / "gemma3", vocab_size=2048)

@@ -96,8 +96,8 @@ def _first_batch(config_path):
     """The ids of one rank's first step, rebuilt from its resolved config."""
     from omegaconf import OmegaConf
 
+    from titan_plugins.data import build_dataloader, build_tokenizer
     from titan_plugins.plugins import get_plugin_manager
-    from titan_plugins.train.data import build_dataloader, build_tokenizer
 
     job = OmegaConf.load(config_path)
     data = job.data

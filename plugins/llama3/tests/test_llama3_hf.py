@@ -52,7 +52,7 @@ def test_logits_equal_transformers_and_export_round_trip(tmp_path, folders, kind
     from safetensors.torch import load_file
     from titan_llama3.state_dict_adapter import Llama3StateDictAdapter
 
-    from titan_plugins.hf.export import export_folder
+    from titan_plugins.export.hf_folder import export_folder
 
     folder, ref = folders[kind]
     job, cfg, ours, counts = load_ours(folder, "model.attn_backend=sdpa")
@@ -120,8 +120,8 @@ def test_train_from_folder_then_titan_export_is_the_trained_model(tmp_path):
     both export routes (``checkpoint.export_hf`` and titan-export from the DCP checkpoint):
     transformers loads each strictly and gives the trained model's logits and greedy
     continuations (fp32)."""
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     from titan_plugins.testing.hf_check import check_export_is_trained_model
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     folder, _ = hf_folder(tmp_path, "3.2_tied", attention_bias=True)
     (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())  # a real one this time

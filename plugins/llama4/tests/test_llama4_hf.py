@@ -227,8 +227,8 @@ def test_export_is_the_trained_model(tmp_path):
     loss and greedy generation. The folder's max_position_embeddings (131072, not the
     flavor's 2048), its three EOS ids and BOS/PAD come back; no router bias trains
     (Llama 4 has none); generation_config.json is written when the folder had none."""
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     from titan_plugins.testing.hf_check import check_export_is_trained_model
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     folder, _ = hf_folder(tmp_path, vocab_size=2048, max_position_embeddings=131072)
     (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())

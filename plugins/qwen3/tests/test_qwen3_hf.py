@@ -197,8 +197,8 @@ def test_train_from_folder_then_export_loads_strictly(tmp_path):
     from titan_qwen3.model import build
 
     from titan_plugins.cli.export import main as export_main
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
     from titan_plugins.train.api import run
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
 
     folder, _ = hf_folder(tmp_path, "dense")
     (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())  # a real one this time
@@ -258,7 +258,7 @@ def export_source(folder, vocab=2048):
     """Make a saved random model folder a realistic source: the shipped tokenizer (its
     <|bos|>/<|eos|> are ids 2046/2047), a chat template, and the special ids a real
     config.json carries (several EOS ids, a PAD id)."""
-    from titan_plugins.train.data.tokenizer import DEFAULT_TOKENIZER
+    from titan_plugins.data.tokenizer import DEFAULT_TOKENIZER
 
     (folder / "tokenizer.json").write_bytes(DEFAULT_TOKENIZER.read_bytes())
     (folder / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
