@@ -20,7 +20,7 @@ PACKAGE = ROOT / "titan_plugins"
 # A room's modules sit on its layer; docs/architecture.md draws the same picture.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("__init__", "_moved", "errors", "spec", "protocols", "hookspecs", "suggest", "failures",
-              "plugin_failures", "run_dir", "plugins", "builtin", "conf")),
+              "plugin_failures", "run_dir", "plugins", "_discovery", "_registrations", "builtin", "conf")),
     ("config", ("config",)),
     ("components", ("components",)),
     ("loss", ("loss",)),
@@ -44,6 +44,7 @@ SPLIT: dict[str, tuple[str, str]] = {
     "titan_plugins.hf.config": ("config", "config.json read into a plugin's config"),
     "titan_plugins.peft.config": ("config", "the peft.* schema"),
     "titan_plugins.hf.mapping": ("hf mapping", "a plugin's declared Hugging Face names, used by peft and load"),
+    "titan_plugins.hf.mapping_entries": ("hf mapping", "the entries and transforms hf.mapping is declared with"),
     "titan_plugins.hf.load": ("checkpoint", "a folder's weights into the built model"),
     "titan_plugins.peft.checkpoint": ("checkpoint", "adapter-only checkpoints"),
     "titan_plugins.peft.run_weights": ("checkpoint", "a LoRA run's weights read back"),

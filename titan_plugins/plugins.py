@@ -1,5 +1,8 @@
-"""The plugin manager: entry-point discovery, allow/block lists, and the registry
-of what plugins hand over (models, datasets, Hydra search-path entries).
+"""The plugin manager: loading plugins (built-ins, ``TITAN_PLUGINS_EXTRA`` modules,
+entry points) and the registry of what they hand over (models, datasets, Hydra
+search-path entries). Where plugins come from, the environment switches and the API
+range check are ``titan_plugins._discovery``'s; their names are re-exported here,
+the import path plugin authors and tools use.
 
 Nothing here is module-global: ``get_plugin_manager()`` builds a fresh manager,
 so tests can make their own and register plugin objects without installing them.
@@ -13,54 +16,46 @@ turns the first into a ``PluginLoadError`` (strict mode, used for training).
 
 from __future__ import annotations
 
-import ast
 import importlib
-import importlib.metadata as metadata
-import importlib.util
-import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pluggy
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from titan_plugins import hookspecs
+from titan_plugins._discovery import (
+    ENTRY_POINT_GROUP,
+    ENV_ALLOW,
+    ENV_BLOCK,
+    ENV_DISABLE_AUTOLOAD,
+    ENV_EXTRA,
+    ENV_TRACE,
+    _dist_name_version,
+    _env_flag,
+    _env_list,
+    api_mismatch,
+    api_version_matches,
+    declared_api_range,
+    iter_entry_points,
+)
+from titan_plugins._registrations import call_registrations
 from titan_plugins.errors import DuplicateModelError, PluginLoadError, UnknownModelError
 from titan_plugins.plugin_failures import FailureKind, PluginFailure, one_line
 from titan_plugins.spec import DatasetSpec, ModelSpec
 from titan_plugins.suggest import did_you_mean
 
-ENTRY_POINT_GROUP = "titan_plugins"
+__all__ = [
+    "BUILTIN_PLUGINS", "CORE_DIST", "ENTRY_POINT_GROUP", "ENV_ALLOW", "ENV_BLOCK", "ENV_DISABLE_AUTOLOAD",
+    "ENV_EXTRA", "ENV_TRACE", "HOOK_NAMES", "PluginInfo", "TitanPluginManager", "api_mismatch",
+    "api_version_matches", "declared_api_range", "get_plugin_manager", "iter_entry_points",
+]
+
 CORE_DIST = "titan-plugins"
 # Always-on plugins of the core itself (like pytest's builtin plugins).
 BUILTIN_PLUGINS = ("titan_plugins.builtin", "titan_plugins.data.builtin")
 HOOK_NAMES = tuple(sorted(n for n in dir(hookspecs) if n.startswith("titan_")))
-
-# Environment switches (see docs/hooks.md and the README).
-ENV_DISABLE_AUTOLOAD = "TITAN_PLUGINS_DISABLE_AUTOLOAD"
-ENV_ALLOW = "TITAN_PLUGINS"
-ENV_BLOCK = "TITAN_PLUGINS_BLOCK"
-ENV_EXTRA = "TITAN_PLUGINS_EXTRA"
-ENV_TRACE = "TITAN_TRACE_PLUGINS"
-
-
-def _api_version() -> str:
-    from titan_plugins import API_VERSION  # one source of truth: the package
-
-    return API_VERSION
-
-
-def _env_list(name: str) -> set[str] | None:
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    return {item.strip() for item in raw.split(",") if item.strip()}
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
 @dataclass
@@ -98,48 +93,6 @@ class PluginInfo:
         """This plugin's failures, ``; ``-joined (``None`` when it loaded cleanly)."""
         mine = [f.reason for f in self.failures if f.key == self.key]
         return "; ".join(mine) if mine else None
-
-
-def api_version_matches(requirement: str) -> bool:
-    """Check a plugin's ``TITAN_PLUGINS_API`` requirement (``">=1.0,<2"``)."""
-    try:
-        spec = SpecifierSet(requirement)
-    except InvalidSpecifier:
-        raise ValueError(f"cannot parse API requirement {requirement!r}") from None
-    return spec.contains(_api_version())
-
-
-def api_mismatch(requirement: str) -> str | None:
-    """The one-line reason a plugin declaring ``requirement`` is refused (``None``: accepted)."""
-    try:
-        if api_version_matches(requirement):
-            return None
-    except ValueError:
-        return (f"declares TITAN_PLUGINS_API = {requirement!r}, which is not a version range "
-                f"(write e.g. \">=1.0,<2\"); this core provides API {_api_version()}")
-    return f"needs titan-plugins API {requirement}, this core provides {_api_version()}"
-
-
-def declared_api_range(module_name: str) -> str | None:
-    """``TITAN_PLUGINS_API`` as the plugin module's source assigns it, read without running
-    the module: a plugin written for another API may not even import against this core
-    (a name it imports was removed), and it must be refused with the version line, not with
-    that ImportError. ``None`` when the source cannot be found or assigns no string."""
-    try:
-        spec = importlib.util.find_spec(module_name)
-        origin = spec.origin if spec is not None else None
-        if not origin or not origin.endswith(".py"):
-            return None
-        with open(origin, encoding="utf-8") as handle:
-            tree = ast.parse(handle.read(), filename=origin)
-    except Exception:  # not ours to report here: loading the module reports it
-        return None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(t, ast.Name) and t.id == "TITAN_PLUGINS_API" for t in node.targets
-        ) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
-            return node.value.value
-    return None
 
 
 class TitanPluginManager(pluggy.PluginManager):
@@ -310,7 +263,7 @@ class TitanPluginManager(pluggy.PluginManager):
             return self._collected
         self.failures[:] = [f for f in self.failures if not f.collected]  # recomputed below
         active = [i for i in self.infos.values() if i.plugin is not None]
-        failed = self._call_registrations(active)
+        failed = call_registrations(self, active, trace=self._tracing)
         models: dict[str, ModelSpec] = {}
         owners: dict[str, PluginInfo] = {}
         datasets: dict[str, DatasetSpec] = {}
@@ -353,81 +306,6 @@ class TitanPluginManager(pluggy.PluginManager):
         self._collected = (models, datasets, searchpath)
         return self._collected
 
-    def _call_registrations(self, active: list[PluginInfo]) -> dict[str, BaseException]:
-        """Run the register hooks and the search-path hook through pluggy, in the
-        order pluggy calls them (``tryfirst``/``trylast``, else the last registered
-        first); each plugin is called apart so that what it registers, or what it
-        raises, is charged to it and the others stay usable. Returns the failures."""
-        failed: dict[str, BaseException] = {}
-        for info in active:
-            info.model_specs, info.dataset_specs, info.searchpath = [], [], []
-        for hook_name in ("titan_register_models", "titan_register_datasets", "titan_config_searchpath"):
-            for info in self._call_order(hook_name, active):
-                if info.name in failed:
-                    continue  # a plugin whose registration failed contributes nothing
-                try:
-                    if hook_name == "titan_register_models":
-                        info.model_specs = self._call_register(info, hook_name, ModelSpec)
-                    elif hook_name == "titan_register_datasets":
-                        info.dataset_specs = self._call_register(info, hook_name, DatasetSpec)
-                    else:
-                        info.searchpath = self._call_searchpath(info)
-                except Exception as exc:  # a broken plugin must not take the others down
-                    failed[info.name] = exc
-        return failed
-
-    def _call_order(self, hook_name: str, active: list[PluginInfo]) -> list[PluginInfo]:
-        """The plugins of ``active`` implementing ``hook_name``, in pluggy's call order."""
-        by_plugin = {id(info.plugin): info for info in active}
-        order: dict[int, PluginInfo] = {}
-        for impl in reversed(getattr(self.hook, hook_name).get_hookimpls()):
-            info = by_plugin.get(id(impl.plugin))
-            if info is not None:  # one implementation per plugin (wrapper or not)
-                order.setdefault(id(impl.plugin), info)
-        return list(order.values())
-
-    def _hook_of(self, plugin: Any, hook_name: str) -> Any:
-        """A pluggy caller of ``hook_name`` with only ``plugin``'s implementations
-        (its wrappers included)."""
-        caller = getattr(self.hook, hook_name)
-        others = {impl.plugin for impl in caller.get_hookimpls() if impl.plugin is not plugin}
-        return self.subset_hook_caller(hook_name, remove_plugins=others)
-
-    def _trace(self, text: str) -> None:
-        if self._tracing:
-            sys.stderr.write(text)
-
-    def _call_register(self, info: PluginInfo, hook_name: str, kind: type) -> list:
-        """Call one plugin's register hook, so every spec is attributed to the
-        plugin (and distribution) that registered it."""
-        specs: list = []
-
-        def register(spec: ModelSpec | DatasetSpec) -> None:
-            if not isinstance(spec, kind):
-                raise TypeError(
-                    f"{hook_name}: register() expects a {kind.__name__}, got {type(spec).__name__}"
-                )
-            specs.append(spec)
-
-        self._trace(f"  {hook_name} [{info.name} from {info.dist}]\n")
-        self._hook_of(info.plugin, hook_name)(register=register)
-        self._trace(f"  finish {hook_name} --> {[s.name for s in specs]}\n")
-        return specs
-
-    def _call_searchpath(self, info: PluginInfo) -> list[str]:
-        self._trace(f"  titan_config_searchpath [{info.name} from {info.dist}]\n")
-        results = self._hook_of(info.plugin, "titan_config_searchpath")()
-        entries: list[Any] = []
-        for result in results:  # pluggy leaves out None results
-            entries.extend([result] if isinstance(result, str) else list(result))
-        for entry in entries:
-            if not isinstance(entry, str) or "://" not in entry:
-                raise TypeError(
-                    f"titan_config_searchpath returned {entry!r}; expected 'pkg://package.conf' "
-                    "or 'file:///path'"
-                )
-        return entries
-
     # -------------------------------------------------------------- queries
     def models(self) -> dict[str, ModelSpec]:
         """Every model name -> spec (a name two plugins claim is in neither)."""
@@ -465,31 +343,6 @@ class TitanPluginManager(pluggy.PluginManager):
         if self.failures:
             more = f" (and {len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
             raise PluginLoadError(self.failures[0].line() + more)
-
-
-def _dist_name_version(dist: Any) -> tuple[str, str]:
-    if dist is None:
-        return "<unknown>", "-"
-    name = dist.metadata["Name"] if dist.metadata is not None else None
-    return (name or "<unknown>"), (dist.version or "-")
-
-
-def iter_entry_points(group: str = ENTRY_POINT_GROUP) -> Iterator[tuple[Any, Any]]:
-    """``(entry_point, distribution)`` for every entry point of ``group`` (model plugins by
-    default; objectives use their own group), walking the installed distributions so that
-    each one is attributed to its dist."""
-    seen: set[tuple[str, str]] = set()
-    for dist in metadata.distributions():
-        try:
-            eps = [ep for ep in dist.entry_points if ep.group == group]
-        except Exception:  # a distribution with broken metadata: not ours to report
-            continue
-        for ep in eps:
-            key = (ep.name, ep.value)
-            if key in seen:
-                continue
-            seen.add(key)
-            yield ep, dist
 
 
 def _core_version() -> str:

@@ -30,7 +30,7 @@ import torch
 from titan_plugins.errors import ConfigError
 
 if TYPE_CHECKING:
-    from titan_plugins.hf.mapping import ModelConfig
+    from titan_plugins.hf.mapping_entries import ModelConfig
     from titan_plugins.protocols import HFStateDictAdapter
     from titan_plugins.spec import ModelSpec
 

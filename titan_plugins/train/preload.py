@@ -15,7 +15,7 @@ import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
 import titan_plugins.train.trainer  # noqa: F401
-from titan_plugins.plugins import iter_entry_points
+from titan_plugins._discovery import iter_entry_points
 
 
 def _import_plugins() -> None:
