@@ -221,9 +221,12 @@ def build_chat(data_config: Any, tokenizer: Any, *, dp_rank: int, dp_world: int,
                        num_workers=int(cfg_get(data_config, "num_workers", 0) or 0), seq_len=seq_len, seed=seed)
 
 
-def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) -> None:
+def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4, *, every_row: bool = False,
+                      key: str = "data.path") -> None:
     """Before launch: the path, the template, and the first ``rows`` rows render (one line
-    naming the row and the field where they do not)."""
+    naming the row and the field where they do not). ``every_row`` (the launcher's check,
+    not the ranks'): also a row that trains, read on until one does (``chat_trains.py``;
+    ``key`` names the path in its message)."""
     settings = _chat_settings(data_config)
     from titan_plugins.chat.formats import ChatFields
     from titan_plugins.chat.template import load_chat_template
@@ -256,6 +259,11 @@ def check_chat_source(data_config: Any, tokenizer: Any = None, rows: int = 4) ->
         except NoAssistantTurn:
             continue
         encode_conversation(messages, template, tokenizer, train_on=settings["train_on"], where=where)
+    if every_row:
+        from titan_plugins.data.chat_trains import require_a_trained_row
+
+        every = (pair for unit in units for pair in read_rows(kind, unit, hf_ds))
+        require_a_trained_row(every, fields, template, tokenizer, settings["train_on"], key=f"{key}={cfg.path}")
 
 
 # ------------------------------------------------------------------ shipped sample

@@ -89,13 +89,10 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
         build_meta_model(spec, job)  # raises if the model has no set_compute_dtype
     from titan_plugins.peft.lora import lora_enabled
 
-    if lora_enabled(job):  # target patterns, float8, peft.init_from: before any rank starts
-        from titan_plugins.peft.checkpoint import adapter_shapes
+    if lora_enabled(job):  # target patterns, float8, peft.init_from's folder: before any rank starts
+        from titan_plugins.train.prelaunch_peft import check_lora
 
-        adapter_shapes(spec, job)
-        folder = job.peft.init_from
-        if folder and not (Path(folder) / "adapter_config.json").is_file():
-            raise ConfigError(f"peft.init_from={folder}: no PEFT adapter there (missing adapter_config.json)")
+        check_lora(spec, job, config)
     from titan_plugins.data.loader import find_dataset
 
     find_dataset(job.data.name, pm.datasets())
