@@ -99,6 +99,12 @@ class ModelSpec:
         config_to_hf: ``config_to_hf(config) -> dict`` returns a ``config.json`` dict
             (with ``architectures`` and ``model_type``) that transformers 5.x loads.
             Needed for ``titan-export``.
+        verify: ``verify(spec, config, folder, inputs, labels, *, forced) -> str | None``:
+            before launch (``model.verify``), the model built from ``model.hf``'s first
+            layers against a reference implementation of the same folder on one batch
+            of the run's own data; returns the header's line, ``None`` when it chose
+            not to run (``forced=False``: ``model.verify`` left at auto and the
+            architecture already proven), or raises ``ConfigError`` naming the worst tensor.
         flops: ``flops(config, seq_len) -> (num_params, flops_per_token)``.
         optimizer_hooks: ``optimizer_hooks(model_parts, parallel_dims) -> list[Callable[[], None]]``,
             run before every optimizer step (MoE load balancing lives here).
@@ -119,6 +125,7 @@ class ModelSpec:
     optimizer_hooks: Ref | None = None
     config_from_hf: Ref | None = None
     config_to_hf: Ref | None = None
+    verify: Ref | None = None
     capabilities: Capabilities = field(default_factory=Capabilities)
     description: str = ""
 

@@ -98,7 +98,8 @@ def resolve_model(model_node: DictConfig, spec: ModelSpec) -> DictConfig:
     except Exception as exc:  # OmegaConf's merge errors, rewritten as one line
         raise model_error(exc, spec, user) from exc
     hf = str(Path(hf).resolve()) if hf else None  # ranks may start elsewhere
-    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name, "hf": hf, "hf_partial": partial})
+    out = OmegaConf.create({"name": spec.name, "flavor": flavor_name, "hf": hf, "hf_partial": partial,
+                            "verify": model_node.get("verify"), "verified": model_node.get("verified")})
     return OmegaConf.merge(
         out, OmegaConf.create(OmegaConf.to_container(merged, resolve=True, enum_to_str=True))
     )

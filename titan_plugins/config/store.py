@@ -19,7 +19,7 @@ from titan_plugins.plugins import TitanPluginManager
 from titan_plugins.spec import ModelSpec, resolve
 
 # The keys of the ``model`` node that choose a model; every other key is its config.
-MODEL_META_KEYS = ("name", "flavor", "hf", "hf_partial")
+MODEL_META_KEYS = ("name", "flavor", "hf", "hf_partial", "verify", "verified")
 
 # Hydra instantiates search-path plugins itself (no arguments), so the entries of
 # the current plugin manager are handed over here right before composition.
@@ -59,6 +59,10 @@ def model_schema_node(spec: ModelSpec) -> DictConfig:
             ("hf", str | None, dataclasses.field(default=None)),  # a Hugging Face model folder
             # load a part of model.hf (fewer layers than the folder's) on purpose
             ("hf_partial", bool, dataclasses.field(default=False)),
+            # check model.hf against the plugin's reference before launch (ModelSpec.verify):
+            # null = the plugin decides (on for architectures it has not proven), true, false
+            ("verify", bool | None, dataclasses.field(default=None)),
+            ("verified", str | None, dataclasses.field(default=None)),  # set by the check: the header's line
         ],
         bases=(schema,),
         kw_only=True,

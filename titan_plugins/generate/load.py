@@ -83,5 +83,6 @@ def load_hf(folder: str | Path, model_name: str, device: torch.device, pm: Titan
     spec, job = resolve_job(compose([f"model={model_name}", f"model.hf={folder}"], pm), pm)
     job = typed_job(job)
     model = _materialize(spec, job, device)
-    load_hf_weights([model], spec, model_config(job.model, spec), folder)
+    load_hf_weights([model], spec, model_config(job.model, spec), folder,
+                    partial=bool(job.model.get("hf_partial")))
     return Loaded(model, build_tokenizer(job.data), job, Path(folder))

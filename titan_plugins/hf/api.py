@@ -172,7 +172,7 @@ def load_hf_model(
     weight_dtype = to_torch_dtype(job.precision.weight_dtype)
     if weight_dtype != torch.float32:  # real floating tensors only (a complex rotary cache stays)
         model._apply(lambda t: t.to(weight_dtype) if t.is_floating_point() else t)
-    load_hf_weights([model], spec, config, folder, verbose=False)
+    load_hf_weights([model], spec, config, folder, verbose=False, partial=bool(job.model.get("hf_partial")))
     model.eval()
     _LOADED[model] = _Loaded(spec.name, config, str(Path(folder).resolve()), job.model.get("flavor"))
     return model

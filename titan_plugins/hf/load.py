@@ -207,11 +207,42 @@ def _fill_grouped(ckpt: HFCheckpoint, adapter: Any, pending: dict[str, Any], use
 
 
 @torch.no_grad()
+def _clean(name: str) -> str:
+    """A parameter's state-dict key: without the wrappers' segments (AC, compile)."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _tied_and_buffers(part: torch.nn.Module) -> tuple[dict[str, str], set[str]]:
+    """``{alias: the name it is tied to}`` for parameters shared under two names, and the
+    names of the part's parameters (everything else in its state dict is a buffer)."""
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    names: set[str] = set()
+    for name, param in part.named_parameters(remove_duplicate=False):
+        name = _clean(name)
+        names.add(name)
+        if id(param) in first:
+            tied[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return tied, names
+
+
+def _refuse_unfilled(folder: str | Path, unfilled: list[str]) -> None:
+    if unfilled:
+        more = f" and {len(unfilled) - 1} more" if len(unfilled) > 1 else ""
+        raise ConfigError(f"model.hf={folder}: has no tensor for the parameter {unfilled[0]}{more} (it would train "
+                          "from its random initial value); model.hf_partial=true loads such a folder on purpose")
+
+
 def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, folder: str | Path,
-                    *, verbose: bool | None = None) -> dict[str, int]:
+                    *, verbose: bool | None = None, partial: bool = False) -> dict[str, int]:
     """Fill every model part from ``folder``. Returns counts: ``loaded`` entries,
-    ``sliced`` (of those, read as the shard's slices only) and ``kept`` (left at
-    their initial values: Hugging Face has no such tensor). ``verbose`` (default: on
+    ``sliced`` (of those, read as the shard's slices only), ``tied`` (parameters that
+    are another one, filled through it) and ``kept`` (left at their initial values:
+    Hugging Face has no such tensor). A *parameter* the folder does not fill is an
+    error (``partial=True``, ``model.hf_partial``, keeps it instead); buffers (an MoE
+    router's load-balancing bias) keep their initial values. ``verbose`` (default: on
     rank 0 of a process group) prints :func:`load_report`'s lines."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
@@ -226,6 +257,8 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
     declared = isinstance(mapping, HFMapping)
     loaded = kept = sliced = 0
     kept_names: list[str] = []
+    tied_names: list[str] = []
+    unfilled: list[str] = []
     with HFCheckpoint(folder) as ckpt:
         for part in parts:
             pending: dict[str, Any] = {}
@@ -249,13 +282,21 @@ def load_hf_weights(parts: list[torch.nn.Module], spec: ModelSpec, config: Any, 
                 loaded, kept = loaded + filled, kept + len(pending)
                 kept_names += sorted(pending)
             _check_base_filled(part, folder)
-    counts = {"loaded": loaded, "sliced": sliced, "kept": kept}
+            aliases, params = _tied_and_buffers(part)
+            tied_here = [k for k in kept_names if k in aliases and aliases[k] not in kept_names]
+            tied_names += [f"{k} (tied to {aliases[k]})" for k in tied_here]
+            kept_names = [k for k in kept_names if k not in tied_here]
+            kept -= len(tied_here)
+            unfilled += [k for k in kept_names if k in params]
+    if not partial:
+        _refuse_unfilled(folder, sorted(set(unfilled)))
+    counts = {"loaded": loaded, "sliced": sliced, "kept": kept, "tied": len(tied_names)}
     if verbose is None:
         import torch.distributed as dist
 
         verbose = dist.is_initialized() and dist.get_rank() == 0
     if verbose:
-        for line in load_report(counts, kept_names, parts, folder):
+        for line in load_report(counts, kept_names, parts, folder, tied=tied_names):
             print(line, flush=True)
     return counts
 
@@ -270,12 +311,14 @@ def _check_base_filled(part: torch.nn.Module, folder: str | Path) -> None:
 
 
 def load_report(counts: dict[str, int], kept: list[str], parts: list[torch.nn.Module],
-                folder: str | Path) -> list[str]:
+                folder: str | Path, *, tied: list[str] | tuple[str, ...] = ()) -> list[str]:
     """What a load did, in a line or two: how many entries came from the folder (read
     as shard slices), which kept their initial values, and whether the MoE router
     trains a bias (load balancing) the folder's architecture has none of."""
     lines = [f"model.hf: {counts['loaded']} tensors loaded from {folder} "
              f"({counts['sliced']} read as this rank's slices only)"]
+    if tied:
+        lines[0] += f"; tied, as the folder says: {', '.join(tied)}"
     if kept:
         more = f" and {len(kept) - 3} more" if len(kept) > 3 else ""
         lines[0] += f"; kept at their initial values (not in the folder): {', '.join(kept[:3])}{more}"

@@ -57,7 +57,8 @@ def load_lora_run_weights(parts: list[torch.nn.Module], spec: ModelSpec, job: Di
         from titan_plugins.config.hydra_glue import model_config
         from titan_plugins.hf.load import load_hf_weights
 
-        load_hf_weights(parts, spec, model_config(job.model, spec), job.model.hf, verbose=False)
+        load_hf_weights(parts, spec, model_config(job.model, spec), job.model.hf, verbose=False,
+                        partial=bool(job.model.get("hf_partial")))
         source = "model.hf"
     else:
         raise ConfigError(f"{checkpoint}: holds only LoRA adapters and the run names no base "

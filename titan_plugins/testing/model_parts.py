@@ -178,7 +178,7 @@ def hf_model(name: str, folder: str, *overrides: str):
     model = spec.load("build")(config)
     with torch.no_grad():
         model.init_weights()
-    counts = load_hf_weights([model], spec, config, folder)
+    counts = load_hf_weights([model], spec, config, folder, partial=bool(job.model.get("hf_partial")))
     return job, config, model.eval(), counts
 
 
@@ -196,7 +196,8 @@ def one_process_model(spec: Any, job: Any, hf_dir: str | None = None, *, seed: i
     apply_peft(model, spec, job)
     materialize(model, job, torch.device("cpu"), seed=seed, base_later=hf_dir is not None)
     if hf_dir is not None:
-        load_hf_weights([model], spec, model_config(job.model, spec), hf_dir, verbose=False)
+        load_hf_weights([model], spec, model_config(job.model, spec), hf_dir, verbose=False,
+                        partial=bool(job.model.get("hf_partial")))
     return model
 
 

@@ -106,6 +106,11 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     init_from = job.checkpoint.init_from
     if init_from and not (Path(init_from) / ".metadata").is_file():
         raise ConfigError(f"checkpoint.init_from={init_from}: no DCP checkpoint there (missing .metadata)")
+    planning = job.get("plan") is not None and job.plan.enabled  # a plan runs nothing
+    if job.model.get("hf") and not init_from and not planning and job.model.get("verified") is None:
+        from titan_plugins.model.verify import verify_model
+
+        job.model.verified = verify_model(spec, job, config, pm.datasets())  # the header's line (or None)
     return dims
 
 

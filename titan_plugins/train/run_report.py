@@ -278,7 +278,8 @@ class RunReport:
             schedule=_schedule_text(job.training),
             peak=(f"{t.peak_tflops:.3g} TFLOP/s per rank ({t.peak_source}), for MFU"
                   if getattr(t, "peak_tflops", None) else "unknown (MFU not shown)"),
-            extra=[f"{'objective':<12}{t.objective_text}"] if getattr(t, "objective_text", None) else None,
+            extra=[*([f"{'objective':<12}{t.objective_text}"] if getattr(t, "objective_text", None) else []),
+                   *([f"{'verified':<12}{job.model.verified}"] if job.model.get("verified") else [])] or None,
         )
 
     def validation(self, step: int, metrics: dict[str, float]) -> None:

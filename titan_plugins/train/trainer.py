@@ -100,7 +100,8 @@ class Trainer:
         elif job.model.get("hf"):  # each rank reads only its shards' slices
             from titan_plugins.hf.load import load_hf_weights
 
-            load_hf_weights(self.model.parts, spec, model_config(job.model, spec), job.model.hf)
+            load_hf_weights(self.model.parts, spec, model_config(job.model, spec), job.model.hf,
+                            partial=bool(job.model.get("hf_partial")))
         if job.get("peft") is not None and job.peft.get("init_from"):  # a PEFT adapter to continue
             from titan_plugins.peft.checkpoint import load_adapter_folder
 

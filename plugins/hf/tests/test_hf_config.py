@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from titan_hf.config import FLAVORS, SUPPORTED, config_from_hf, config_to_hf  # noqa: E402
+from titan_hf.config import FLAVORS, config_from_hf, config_to_hf  # noqa: E402
 from titan_hf.testing import save_folder  # noqa: E402
 
 from titan_plugins.errors import ConfigError  # noqa: E402
@@ -63,17 +63,35 @@ def test_missing_folder_is_one_line(tmp_path):
     assert "model.hf=" in _one_line(info) and "no such folder" in str(info.value)
 
 
-def test_unknown_architecture_names_the_supported_list(tmp_path, folder):
-    bad = tmp_path / "bert"
+@pytest.mark.parametrize("model_type, why", [
+    ("not_a_model_type", "does not know it"),
+    ("t5", "has no causal LM for it"),
+    ("gemma3", "a wrapper (encoder-decoder or vision/audio)"),
+])
+def test_what_cannot_train_is_refused_in_one_line(tmp_path, folder, model_type, why):
+    """No list of families gates model=hf (issue 46): a model_type the installed
+    transformers cannot build as a decoder-only causal LM is one line naming it."""
+    bad = tmp_path / model_type
     bad.mkdir()
     cfg = json.loads((folder / "config.json").read_text())
-    (bad / "config.json").write_text(json.dumps({**cfg, "architectures": ["BertForMaskedLM"]}))
+    (bad / "config.json").write_text(json.dumps({**cfg, "model_type": model_type}))
     (bad / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
     with pytest.raises(ConfigError) as info:
         _job(f"model.hf={bad}")
     text = _one_line(info)
-    assert "architectures=['BertForMaskedLM']" in text
-    assert all(arch in text for arch in SUPPORTED)
+    assert f"model_type={model_type!r}" in text and why in text
+
+
+def test_the_class_follows_model_type_as_transformers_does(tmp_path, folder):
+    """``architectures`` naming another class does not decide it (transformers' auto
+    mapping goes by model_type); the export writes back what the folder said."""
+    other = tmp_path / "qwen2"
+    other.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen2", "architectures": ["LlamaForCausalLM"]}))
+    (other / "model.safetensors").write_bytes((folder / "model.safetensors").read_bytes())
+    _, job, _ = _job(f"model.hf={other}")
+    assert job.model.architecture == "LlamaForCausalLM" and job.model.hf_config.model_type == "qwen2"
 
 
 @pytest.mark.parametrize("layout, match", [
@@ -86,7 +104,7 @@ def test_unknown_architecture_names_the_supported_list(tmp_path, folder):
     (["parallelism.tp=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"], "declares no tensor-parallel plan"),
     (["parallelism.pp=2", "parallelism.world_size=2", "model.flavor=tiny_gemma3"], "enable_weight_tying=true"),
     (["parallelism.tp=4", "parallelism.world_size=4", "model.flavor=tiny_llama"], "model.n_kv_heads=2 is not divisible"),
-    (["model.flavor=tiny_gpt_oss", "model.attn_implementation=sdpa"], "eager attention only"),
+    (["model.flavor=tiny_gpt_oss", "model.attn_implementation=sdpa"], "runs GptOssForCausalLM without SDPA"),
 ])
 def test_layouts_a_model_cannot_take(layout, match):
     with pytest.raises(ConfigError) as info:

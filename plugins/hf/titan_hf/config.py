@@ -16,11 +16,13 @@ from typing import Any
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["EAGER_ONLY", "FLAVORS", "SUPPORTED", "AttnImpl", "HFModelConfig", "config_from_hf", "config_to_hf", "hf_dict"]
+__all__ = ["FLAVORS", "TESTED", "AttnImpl", "HFModelConfig", "config_from_hf", "config_to_hf", "hf_dict"]
 
-#: The architectures whose numerics are tested against transformers (step-1 loss within
-#: 1e-5 fp32), by ``architectures[0]`` of config.json, with their ``model_type``.
-SUPPORTED: dict[str, str] = {
+#: The architectures whose numerics this repository's tests hold against transformers on
+#: every layout (step-1 loss within 1e-5 fp32), with their ``model_type``. Documentation
+#: and ``model.verify``'s default, not a gate: any decoder-only causal LM the installed
+#: transformers builds is accepted (titan_hf.architecture); docs/hf-matrix.md lists more.
+TESTED: dict[str, str] = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen3ForCausalLM": "qwen3",
@@ -31,13 +33,11 @@ SUPPORTED: dict[str, str] = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-#: Architectures transformers runs with eager attention only (no SDPA path).
-EAGER_ONLY = frozenset({"GptOssForCausalLM"})
-
-
 class AttnImpl(str, Enum):
-    """transformers' attention kernels that run on every device (CPU included)."""
+    """transformers' attention kernels that run on every device (CPU included); ``auto``:
+    SDPA where the architecture has it, else eager (titan_hf.architecture)."""
 
+    auto = "auto"
     sdpa = "sdpa"
     eager = "eager"
 
@@ -47,7 +47,7 @@ class HFModelConfig:
     """A transformers causal LM. Every field but ``attn_implementation`` comes from
     config.json (``model.hf``) or a flavor; an override replaces config.json's value."""
 
-    architecture: str = ""  # config.json architectures[0]; "" = no folder given yet
+    architecture: str = ""  # config.json architectures[0] (as written back on export); "" = no folder given yet
     vocab_size: int = 0  # vocab_size
     dim: int = 0  # hidden_size
     n_layers: int = 0  # num_hidden_layers
@@ -55,7 +55,7 @@ class HFModelConfig:
     n_kv_heads: int = 0  # num_key_value_heads
     enable_weight_tying: bool = False  # tie_word_embeddings
     max_seq_len: int | None = None  # max_position_embeddings (the core checks training.seq_len against it)
-    attn_implementation: AttnImpl = AttnImpl.sdpa
+    attn_implementation: AttnImpl = AttnImpl.auto
     hf_config: dict[str, Any] = field(default_factory=dict)  # the rest of config.json, as is
 
 
@@ -83,19 +83,19 @@ def _architecture_default(model_type: str, key: str) -> Any:
 def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """Values for :class:`HFModelConfig` from a config.json (the folder's, or a flavor's)."""
     archs = hf.get("architectures")
-    arch = archs[0] if isinstance(archs, list) and len(archs) == 1 else archs
-    if arch not in SUPPORTED:
-        raise _bad("architectures", archs, f"model=hf supports {', '.join(SUPPORTED)}")
-    if hf.get("model_type") != SUPPORTED[arch]:
-        raise _bad("model_type", hf.get("model_type"), f"{arch} is model_type {SUPPORTED[arch]!r}")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if not isinstance(hf.get("model_type"), str) or not hf["model_type"]:
+        raise _bad("model_type", hf.get("model_type"), "a transformers folder names its model_type")
+    if not isinstance(arch, str):  # transformers picks the class by model_type alone: name that one
+        from titan_hf.architecture import causal_lm_class
+
+        arch = causal_lm_class(hf["model_type"]).__name__
     if hf.get("quantization_config"):
         raise _bad("quantization_config", hf["quantization_config"].get("quant_method"),
                    "quantized weights do not train; give a bf16/fp32 folder")
     if hf.get("output_router_logits"):  # transformers would add its router aux loss to the loss
         raise _bad("output_router_logits", True, "model=hf trains the language-model loss only; set it false")
     out: dict[str, Any] = {"architecture": arch}
-    if arch in EAGER_ONLY:
-        out["attn_implementation"] = AttnImpl.eager.value
     for ours, theirs in _TYPED:
         value = hf.get(theirs)
         if value is None and theirs == "num_key_value_heads":
@@ -169,7 +169,7 @@ _TINY_JSON: dict[str, dict[str, Any]] = {
 
 def _flavor(hf: dict[str, Any]) -> HFModelConfig:
     values = config_from_hf(hf)
-    values["attn_implementation"] = AttnImpl(values.get("attn_implementation", AttnImpl.sdpa))
+    values["attn_implementation"] = AttnImpl(values.get("attn_implementation", AttnImpl.auto))
     return HFModelConfig(**values)
 
 

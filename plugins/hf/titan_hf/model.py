@@ -5,9 +5,9 @@ modules are hoisted to the names every core helper knows (``tok_embeddings``,
 ``layers`` as an ``nn.ModuleDict`` keyed ``"0".."n-1"``, ``norm``, ``output``) and
 this module drives them as the architecture's own ``forward`` does: embeddings,
 positions, the attention masks of each layer type (full, sliding), rotary embeddings
-(per layer type where the model has several), the decoder layers, norm, head and the
-final logit softcap. So a pipeline stage can drop the modules it does not own, and a
-later stage rebuilds masks and rotary embeddings from its hidden states (rotary lives
+(per layer type where the model has several), the decoder layers, norm, head and what
+the class's forward does to the logits after its head (``titan_hf.head``). So a
+pipeline stage can drop the modules it does not own, and a later stage rebuilds masks and rotary embeddings from its hidden states (rotary lives
 on every stage). ``init_weights`` is the architecture's own ``_init_weights``, which
 also recomputes the non-persistent buffers (rotary ``inv_freq``, Gemma's
 ``embed_scale``) that ``to_empty`` leaves as garbage.
@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from titan_hf.architecture import attn_implementation, check_architecture
 from titan_hf.config import AttnImpl, HFModelConfig, hf_dict
+from titan_hf.embed import embed_work
+from titan_hf.head import post_head
+from titan_hf.structure import find_structure
+from titan_plugins.errors import ConfigError
 
 __all__ = ["HFCausalLM", "build", "flops", "hf_config_object"]
 
@@ -29,13 +34,15 @@ _MASKS = ("full_attention", "sliding_attention")
 
 
 def hf_config_object(config: HFModelConfig) -> Any:
-    """transformers' config object for ``config`` (attention kernel set)."""
+    """transformers' config object for ``config`` (attention kernel resolved:
+    :func:`titan_hf.architecture.attn_implementation`)."""
     from transformers import AutoConfig
 
     values = hf_dict(config)
+    cls = check_architecture(values)
     model_type = values.pop("model_type")
     hf = AutoConfig.for_model(model_type, **values)
-    hf._attn_implementation = AttnImpl(config.attn_implementation).value
+    hf._attn_implementation = attn_implementation(cls, AttnImpl(config.attn_implementation).value)
     return hf
 
 
@@ -59,21 +66,27 @@ class HFCausalLM(nn.Module):
 
         self.config = config
         self.hf_config = hf = hf_config_object(config)
-        shell = AutoModelForCausalLM.from_config(hf, attn_implementation=AttnImpl(config.attn_implementation).value)
-        base = getattr(shell, shell.base_model_prefix)
-        self.tok_embeddings: nn.Module | None = base.embed_tokens
-        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
-        self.norm: nn.Module | None = base.norm
-        self.output: nn.Module | None = shell.lm_head
-        self.rotary_emb = base.rotary_emb
+        shell = AutoModelForCausalLM.from_config(hf, attn_implementation=hf._attn_implementation)
+        self.structure = parts = find_structure(shell)  # from the model's declarations, not names
+        if parts.rotary is None:
+            raise ConfigError(f"model=hf: {type(shell).__name__} has no rotary embedding module: its positions "
+                              "are made inside its base model's forward, which model=hf does not drive")
+        self.tok_embeddings: nn.Module | None = shell.get_submodule(parts.embeddings)
+        self.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(shell.get_submodule(parts.layers))})
+        self.norm: nn.Module | None = shell.get_submodule(parts.norm)
+        self.output: nn.Module | None = shell.get_submodule(parts.head)
+        self.rotary_emb = shell.get_submodule(parts.rotary)
         # Not a submodule (its parameters are ours, hoisted): kept for its _init_weights
         # and no_split_modules only.
         object.__setattr__(self, "_shell", shell)
         self.layer_kinds = layer_kinds(hf)
         self._rope_per_kind = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
-        self.softcap = getattr(hf, "final_logit_softcapping", None)
-        # the trainer's fused loss skips the head's caller: not with work after the head
-        self.titan_fused_loss = not self.softcap
+        # What the class's forward does to the logits after its head (scale, soft-cap),
+        # transformers' own statements; the fused loss would skip it: whole logits then.
+        self.post_head = post_head(shell, parts.head) if "." not in parts.head else _nested_head(shell, parts.head)
+        self.titan_fused_loss = self.post_head is None
+        # ... and what its base model's forward does to the embeddings before the layers
+        self.embed_work = embed_work(shell.get_submodule(parts.base))
         self.seq_shards = 1  # > 1 under sequence parallelism: hidden states hold 1/seq_shards of the sequence
 
     @property
@@ -119,7 +132,12 @@ class HFCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
         """``cache``: a ``titan_plugins.generate.KVCache`` (decoding, one stage only);
         its ``pos`` is the rotary offset, transformers' cache holds the keys/values."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(tokens)
+            if self.embed_work is not None:
+                h = self.embed_work(h)
+        else:
+            h = tokens
         from torch.distributed.tensor import DTensor
 
         local = h.to_local() if isinstance(h, DTensor) else h
@@ -140,9 +158,13 @@ class HFCausalLM(nn.Module):
             h = self.norm(h)
         if self.output is not None:
             h = self.output(h)
-            if self.softcap:
-                h = torch.tanh(h / self.softcap) * self.softcap
+            if self.post_head is not None:
+                h = self.post_head(h)
         return h
+
+
+def _nested_head(shell: nn.Module, path: str) -> None:
+    raise ConfigError(f"model=hf: {type(shell).__name__}'s output embeddings sit at {path}, not on the model itself")
 
 
 def build(config: HFModelConfig) -> HFCausalLM:

@@ -21,6 +21,7 @@ def titan_register_models(register):
             flops="titan_hf.model:flops",
             config_from_hf="titan_hf.config:config_from_hf",
             config_to_hf="titan_hf.config:config_to_hf",
+            verify="titan_hf.verify:verify",
             pipeline=PipelineInfo(
                 layers_attr="layers",
                 first_stage_modules=("tok_embeddings",),
@@ -29,7 +30,7 @@ def titan_register_models(register):
             # What the hook implements; validate() refuses in one line what a folder's
             # structure cannot take (no TP plan, no EP plan or no experts, tied + PP).
             capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
-            description="any transformers 5.x causal LM folder (Llama, Mistral, Qwen3, Gemma 3, Phi-3, OLMo-2, GPT-OSS, Mixtral, Qwen3-MoE)",
+            description="any decoder-only causal LM of the installed transformers 5.x (docs/hf-matrix.md)",
         )
     )
 

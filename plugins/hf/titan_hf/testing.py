@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from titan_hf.config import FLAVORS, AttnImpl
+from titan_hf.config import FLAVORS
 
 __all__ = ["reference_model", "save_folder", "train_in_one_launch"]
 
@@ -41,7 +41,7 @@ def save_folder(flavor: str, folder: str | Path, *, seed: int = 0, std: float = 
     for key, value in overrides.items():
         setattr(hf, key, value)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(hf, attn_implementation=AttnImpl(config.attn_implementation).value)
+    model = AutoModelForCausalLM.from_config(hf, attn_implementation=hf._attn_implementation)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name and p.dim() == 1:
@@ -54,16 +54,16 @@ def save_folder(flavor: str, folder: str | Path, *, seed: int = 0, std: float = 
 
 
 def reference_model(folder: str | Path, attn: str | None = None) -> torch.nn.Module:
-    """The plain transformers model of ``folder`` (fp32, eval; SDPA unless the
-    architecture runs eager only)."""
+    """The plain transformers model of ``folder`` (fp32, eval; the kernel ``model=hf``
+    picks by default: SDPA where the architecture has it, else eager)."""
     import json
 
     from transformers import AutoModelForCausalLM
 
-    from titan_hf.config import EAGER_ONLY
+    from titan_hf.architecture import attn_implementation, causal_lm_class
 
-    arch = json.loads((Path(folder) / "config.json").read_text())["architectures"][0]
-    attn = attn or ("eager" if arch in EAGER_ONLY else "sdpa")
+    model_type = json.loads((Path(folder) / "config.json").read_text())["model_type"]
+    attn = attn or attn_implementation(causal_lm_class(model_type), "auto")
     return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=torch.float32).eval()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from titan_hf.config import EAGER_ONLY, AttnImpl, HFModelConfig, hf_dict
+from titan_hf.config import HFModelConfig, hf_dict
 from titan_plugins.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -91,9 +91,6 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
     for i, kind in enumerate(layer_kinds(hf)):
         if kind not in ("full_attention", "sliding_attention"):
             raise ConfigError(f"config.json: layer_types[{i}]={kind!r}: model=hf runs full and sliding attention only")
-    if config.architecture in EAGER_ONLY and AttnImpl(config.attn_implementation).value != "eager":
-        raise ConfigError(f"model.attn_implementation={AttnImpl(config.attn_implementation).value}: transformers runs "
-                          f"{config.architecture} with eager attention only")
     n_layers = config.n_layers
     if parallel_dims.ep > 1:
         _check_ep(config, hf, values, parallel_dims)

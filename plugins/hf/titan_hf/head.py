@@ -1,0 +1,89 @@
+"""What a causal LM's ``forward`` does to the logits after its head, run exactly.
+
+Some architectures change the head's output before the loss: Cohere multiplies by
+``logit_scale``, Granite divides by ``logits_scaling``, Gemma 2/3 soft-cap, Falcon-H1
+multiplies by ``lm_head_multiplier``. Rather than a list of such families, the
+statements are read from the class's own ``forward`` (between the head's call and the
+loss) and compiled into a function run on the wrapper's head output, in the class's
+module namespace: the numbers are transformers' own. A model with such work takes the
+whole-logits loss (the fused loss would skip it). Statements that read anything but
+``self`` and the logits cannot be moved: one line naming the line of code.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import inspect
+import textwrap
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from titan_plugins.errors import ConfigError
+
+__all__ = ["post_head"]
+
+
+def _calls_head(node: ast.AST, head: str) -> bool:
+    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == head
+               and isinstance(n.func.value, ast.Name) and n.func.value.id == "self" for n in ast.walk(node))
+
+
+class _HeadToLogits(ast.NodeTransformer):
+    def __init__(self, head: str) -> None:
+        self.head = head
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        if _calls_head(node, self.head) and isinstance(node.func, ast.Attribute) and node.func.attr == self.head:
+            return ast.Name(id="logits", ctx=ast.Load())
+        return self.generic_visit(node)
+
+
+def _names_read(statements: list[ast.stmt]) -> set[str]:
+    return {n.id for s in statements for n in ast.walk(s) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+def post_head(shell: nn.Module, head: str) -> Callable[[Any], Any] | None:
+    """``fn(logits) -> logits`` doing what ``type(shell).forward`` does after
+    ``self.<head>(...)``, or ``None`` when it does nothing to them."""
+    cls = type(shell)
+    forward = inspect.unwrap(cls.forward)
+    try:
+        source = textwrap.dedent(inspect.getsource(forward))
+    except (OSError, TypeError):
+        raise ConfigError(f"model=hf: {cls.__name__}.forward has no readable source; cannot tell what it does "
+                          "after its head") from None
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    start = next((i for i, s in enumerate(body) if _calls_head(s, head)), None)
+    if start is None:
+        raise ConfigError(f"model=hf: {cls.__name__}.forward never calls self.{head}; cannot find its logits")
+    first = body[start]
+    plain = (isinstance(first, ast.Assign) and isinstance(first.value, ast.Call)
+             and _calls_head(first.value, head) and len(first.targets) == 1
+             and isinstance(first.targets[0], ast.Name) and first.targets[0].id == "logits")
+    tail: list[ast.stmt] = []
+    for statement in body[start + 1:]:  # up to the loss (or the return)
+        if isinstance(statement, ast.Return) or "loss" in _names_read([statement]) or any(
+                isinstance(t, ast.Name) and t.id == "loss" for n in ast.walk(statement)
+                if isinstance(n, ast.Assign) for t in n.targets):
+            break
+        tail.append(statement)
+    if plain and not tail:
+        return None
+    first = _HeadToLogits(head).visit(first)
+    statements = [first, *tail]
+    unknown = _names_read(statements) - {"self", "logits"} - set(vars(inspect.getmodule(cls))) - set(dir(builtins))
+    if unknown:
+        line = forward.__code__.co_firstlineno + statements[-1].lineno - 1
+        raise ConfigError(f"model=hf: {cls.__name__}.forward changes its logits after self.{head} using "
+                          f"{', '.join(sorted(unknown))} (line {line}); model=hf cannot apply that exactly")
+    fn = ast.FunctionDef(name="_post_head", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg("self"), ast.arg("logits")], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[*statements, ast.Return(ast.Name(id="logits", ctx=ast.Load()))], decorator_list=[], type_params=[])
+    module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+    namespace = dict(vars(inspect.getmodule(cls)))
+    exec(compile(module, f"<{cls.__name__}.forward after self.{head}>", "exec"), namespace)  # noqa: S102
+    compiled = namespace["_post_head"]
+    return lambda logits: compiled(shell, logits)
