@@ -96,8 +96,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     if hf.get("output_router_logits"):  # transformers would add its router aux loss to the loss
         raise _bad("output_router_logits", True, "model=hf trains the language-model loss only; set it false")
     out: dict[str, Any] = {"architecture": arch}
+    aliases = _aliases(hf["model_type"]) if any(theirs not in hf for _, theirs in _TYPED) else {}
     for ours, theirs in _TYPED:
-        value = hf.get(theirs)
+        value = hf.get(theirs, hf.get(aliases.get(theirs, theirs)))  # GPT-2's n_embd is hidden_size
         if value is None and theirs == "num_key_value_heads":
             value = hf.get("num_attention_heads")  # transformers' default: multi-head attention
         if value is None and theirs == "tie_word_embeddings":
@@ -109,9 +110,25 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
         if ours != "enable_weight_tying" and (isinstance(value, bool) or not isinstance(value, int)):
             raise _bad(theirs, value, "must be an integer")
         out[ours] = value
-    out["hf_config"] = {k: copy.deepcopy(v) for k, v in hf.items()
-                        if k not in _BOOKKEEPING and k not in dict(_TYPED).values()}
+    typed = {*dict(_TYPED).values(), *(aliases.get(theirs) for _, theirs in _TYPED if theirs not in hf)}
+    out["hf_config"] = {k: copy.deepcopy(v) for k, v in hf.items() if k not in _BOOKKEEPING and k not in typed}
+    out["hf_config"]["_typed_as"] = {theirs: aliases[theirs] for _, theirs in _TYPED
+                                     if theirs not in hf and aliases.get(theirs) in hf}
+    if not out["hf_config"]["_typed_as"]:
+        del out["hf_config"]["_typed_as"]
     return out
+
+
+def _aliases(model_type: str) -> dict[str, str]:
+    """transformers' attribute_map of the config class: the standard name -> the name
+    the class's config.json uses (``hidden_size`` -> ``n_embd``). Imports transformers:
+    only for a folder whose config.json lacks a standard name."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        return dict(getattr(CONFIG_MAPPING[model_type], "attribute_map", {}) or {})
+    except KeyError:
+        return {}
 
 
 def hf_dict(config: HFModelConfig) -> dict[str, Any]:
@@ -121,9 +138,10 @@ def hf_dict(config: HFModelConfig) -> dict[str, Any]:
         raise ConfigError("model.hf is not set: model=hf needs model.hf=DIR (a transformers model folder "
                           "with config.json and *.safetensors) or a test flavor (model.flavor=tiny_llama, ...)")
     out = dict(copy.deepcopy(config.hf_config))
+    typed_as = out.pop("_typed_as", {})  # fields the folder names the class's own way (n_embd)
     for ours, theirs in _TYPED:
         if getattr(config, ours) is not None:
-            out[theirs] = getattr(config, ours)
+            out[typed_as.get(theirs, theirs)] = getattr(config, ours)
     n = config.n_layers
     for key in ("layer_types", "no_rope_layers"):  # per-layer lists follow model.n_layers
         if isinstance(out.get(key), list):

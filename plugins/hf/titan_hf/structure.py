@@ -67,6 +67,10 @@ def find_structure(shell: nn.Module) -> Structure:
     norms = [n for n in after if _has_weights(getattr(base, n))]
     if not pp_plan:  # no pipeline plan declared: the one base child with weights left over
         norms = [n for n, c in base.named_children() if id(c) not in accounted and _has_weights(c)]
+        if len(norms) > 1:
+            raise ConfigError(f"model=hf: {arch}'s base model holds weights outside its embeddings and layers "
+                              f"({', '.join(norms)}) and declares no pipeline plan saying which is the final norm: "
+                              "its forward cannot be driven layer by layer")
     if len(norms) != 1:
         raise ConfigError(f"model=hf: {arch}'s final norm is not declared (base_model_pp_plan after "
                           f"{layers!r}: {after or 'nothing'}); model=hf needs exactly one")

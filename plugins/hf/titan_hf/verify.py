@@ -57,7 +57,7 @@ def compare(ours: torch.nn.Module, theirs: torch.nn.Module, renames: tuple[tuple
         count += 1
         if rel > worst[3]:
             worst = (name, a, b, rel)
-    return {"loss": (float(mine), float(ref)), "worst": worst, "grads": count}
+    return {"loss": (float(mine.detach()), float(ref.detach())), "worst": worst, "grads": count}
 
 
 def verify(spec: Any, config: Any, folder: str, inputs: torch.Tensor, labels: torch.Tensor, *,
