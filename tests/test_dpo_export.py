@@ -4,8 +4,8 @@ learns the preference, and the result is handed on like any run's: ``titan-expor
 --adapter`` (peft loads it on the base) and ``--merge`` (transformers loads it strictly),
 both with the trained model's logits within 1e-5, and ``titan-generate`` runs on it.
 
-One training run (module fixture) serves every test; the LoRA export helpers are
-tests/test_peft_lora.py's."""
+One training run (module fixture) serves every test; the base folder and the references
+are titan_plugins/testing/lora_refs.py's (test_peft_lora.py's too)."""
 
 from __future__ import annotations
 
@@ -18,16 +18,17 @@ pytest.importorskip("titan_qwen3")
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from test_dpo_run import LN2, REWARDS  # noqa: E402
-from test_peft_lora import TOKENS, _base_folder, _hf_logits, _peft_logits  # noqa: E402
+from titan_plugins.testing.dpo import LN2, REWARDS  # noqa: E402
+from titan_plugins.testing.lora_refs import hf_logits, peft_logits, tiny_qwen3_folder  # noqa: E402
 
 SEQ_LEN = 256  # the sample's pairs are 50-220 tokens
+TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """test_peft_lora's random Qwen3 folder (ChatML tokenizer), with room for the pairs."""
-    folder = _base_folder(tmp_path_factory.mktemp("dpo_export") / "base")
+    """The tiny random Qwen3 folder (ChatML tokenizer), with room for the pairs."""
+    folder = tiny_qwen3_folder(tmp_path_factory.mktemp("dpo_export") / "base")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": SEQ_LEN}))
     return folder
@@ -101,12 +102,12 @@ def test_dpo_run_exports_as_peft_adapter_and_merged_folder(base, dpo_run, tmp_pa
 
     run_dir, _, _ = dpo_run
     trained = _trained_logits(base, run_dir)
-    assert (trained - _hf_logits(base)).abs().max().item() > 1e-3  # DPO moved the model: the checks below can fail
+    assert (trained - hf_logits(base, TOKENS)).abs().max().item() > 1e-3  # DPO moved the model: the checks below can fail
     assert export_main([str(run_dir), "--adapter", "--out", str(tmp_path / "adapter")]) == 0
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
-    assert (_peft_logits(base, tmp_path / "adapter") - trained).abs().max().item() <= 1e-5
+    assert (peft_logits(base, tmp_path / "adapter", TOKENS) - trained).abs().max().item() <= 1e-5
     assert export_main([str(run_dir), "--merge", "--out", str(tmp_path / "merged")]) == 0
-    assert (_hf_logits(tmp_path / "merged") - trained).abs().max().item() <= 1e-5
+    assert (hf_logits(tmp_path / "merged", TOKENS) - trained).abs().max().item() <= 1e-5
     capsys.readouterr()
 
 

@@ -7,12 +7,12 @@ tests/test_dpo_export.py's."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.testing.dpo import LN2, REWARDS
 from titan_plugins.train.api import run
 
 pytest.importorskip("titan_qwen3")
@@ -21,8 +21,6 @@ TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "m
         "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false",
         "metrics.tensorboard=false", "objective=dpo", "data=preference_sample", "training.seq_len=256",
         "training.warmup_steps=0", "training.decay=none"]
-LN2 = torch.tensor(math.log(2), dtype=torch.float32).item()
-REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
 def _records(run_dir):

@@ -20,35 +20,17 @@ from titan_plugins.errors import ConfigError  # noqa: E402
 from titan_plugins.model.lifecycle import apply_peft, build_meta_model  # noqa: E402
 from titan_plugins.peft.lora import adapter_modules, init_adapters  # noqa: E402
 from titan_plugins.plugins import get_plugin_manager  # noqa: E402
+from titan_plugins.testing.lora_refs import TINY_QWEN3, hf_logits, peft_logits, tiny_qwen3_folder  # noqa: E402
 from titan_plugins.testing.model_parts import adapter_grads, one_process_model  # noqa: E402
 from titan_plugins.train.api import prepare_job  # noqa: E402
 
-DENSE = dict(  # the vocabulary of the shipped (chat) tokenizer: the slow runs train on chat data
-    vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
-    tie_word_embeddings=False, eos_token_id=5,
-)
 OURS, THEIRS = ["wq", "wv", "w2"], ["q_proj", "v_proj", "down_proj"]
 TOKENS = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(1))
 
 
-def _base_folder(path):
-    from titan_plugins.data.tokenizer import ASSETS
-
-    torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**DENSE))
-    with torch.no_grad():  # random, so every weight matters
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):  # ChatML: data=chat_sample reads the folder's
-        shutil.copyfile(ASSETS / "chat_tokenizer" / name, path / name)
-    return path
-
-
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    return _base_folder(tmp_path_factory.mktemp("lora") / "base")
+    return tiny_qwen3_folder(tmp_path_factory.mktemp("lora") / "base")
 
 
 SYNTHETIC = ("data.name=synthetic", "data.vocab_size=96", "training.seq_len=16")
@@ -81,7 +63,7 @@ def test_step0_is_the_base_model_bit_for_bit_and_counts_match_peft(base):
     ref = peft.get_peft_model(hf, peft.LoraConfig(r=8, lora_alpha=16, target_modules=THEIRS))
     want = sum(p.numel() for p in ref.parameters() if p.requires_grad)
     assert sum(p.numel() for _, p in trainable) == want
-    assert len(dict(adapter_modules(lora))) == 3 * DENSE["num_hidden_layers"]
+    assert len(dict(adapter_modules(lora))) == 3 * TINY_QWEN3["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("pattern, why", [
@@ -334,27 +316,6 @@ def _logits_of_run(base, run_dir):
         return spec, job, model, model(TOKENS)
 
 
-def _peft_logits(base, adapter):
-    """transformers + peft on the base folder with ``adapter``: logits of TOKENS (and no
-    warning about missing or unexpected adapter keys)."""
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        theirs = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), adapter)
-    assert not [w for w in caught if "adapter" in str(w.message).lower() and "key" in str(w.message).lower()]
-    with torch.no_grad():
-        return theirs.eval()(TOKENS).logits
-
-
-def _hf_logits(folder):
-    """A full Hugging Face folder loaded strictly: logits of TOKENS."""
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
-    assert not any(info.values()), info
-    with torch.no_grad():
-        return model.eval()(TOKENS).logits
-
-
 @pytest.mark.slow
 def test_lora_run_checkpoint_export_and_resume(base, lora_run, tmp_path):
     from titan_plugins.hf.export import read_dcp_model
@@ -385,14 +346,14 @@ def test_lora_run_checkpoint_export_and_resume(base, lora_run, tmp_path):
     # PEFT export: peft loads it with no missing/unexpected keys and the same logits
     spec, job, ours, logits = _logits_of_run(base, run_dir)
     adapter = export_adapter(run_dir, tmp_path / "adapter")
-    assert (_peft_logits(base, adapter) - logits).abs().max().item() <= 1e-5
+    assert (peft_logits(base, adapter, TOKENS) - logits).abs().max().item() <= 1e-5
     # the merged folder loads strictly with the same logits
     merged = export_merged(run_dir, tmp_path / "merged")
-    assert (_hf_logits(merged) - logits).abs().max().item() <= 1e-5
+    assert (hf_logits(merged, TOKENS) - logits).abs().max().item() <= 1e-5
     # checkpoint.export_hf=true on a LoRA run: <run_dir>/hf merged, <run_dir>/hf-adapter PEFT
     assert export_kind(run_dir / "hf") == "merged" and export_kind(run_dir / "hf-adapter") == "peft-adapter"
-    assert (_hf_logits(run_dir / "hf") - logits).abs().max().item() <= 1e-5
-    assert (_peft_logits(base, run_dir / "hf-adapter") - logits).abs().max().item() <= 1e-5
+    assert (hf_logits(run_dir / "hf", TOKENS) - logits).abs().max().item() <= 1e-5
+    assert (peft_logits(base, run_dir / "hf-adapter", TOKENS) - logits).abs().max().item() <= 1e-5
     # and the adapter folder loads back into a run (peft.init_from)
     spec, job, fresh = _ours(base, *STEPS[4:5], f"peft.target_modules=[{','.join(OURS)},w1]",
                              f"peft.init_from={adapter}")
@@ -426,7 +387,7 @@ def test_generate_and_eval_take_the_adapter_only_run(base, lora_run, capsys):
     _, _, by_hand, _ = _logits_of_run(base, run_dir)
     loaded = load_checkpoint(run_dir, torch.device("cpu"))
     # no EOS inside: the run's chat model is block-causal (a document ends at EOS), by_hand causal
-    tokens = TOKENS.masked_fill(TOKENS == DENSE["eos_token_id"], 6)
+    tokens = TOKENS.masked_fill(TOKENS == TINY_QWEN3["eos_token_id"], 6)
     with torch.no_grad():
         assert (loaded.model.eval()(tokens) - by_hand(tokens)).abs().max().item() <= 1e-6
     args = ["--prompt", "How does", "--max-new-tokens", "8"]

@@ -7,7 +7,6 @@ is in-process."""
 from __future__ import annotations
 
 import json
-import struct
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.testing.wandb_log import wandb_records
 from titan_plugins.train.run_report import (
     RunStats,
     count_parameters,
@@ -127,39 +127,6 @@ def test_memory_snapshot_is_dumped_after_the_traced_steps_and_on_oom(tmp_path, m
 
 
 # ------------------------------------------------------------------ one real run
-def _wandb_records(run_file: Path) -> list:
-    """The records of a W&B offline transaction log (LevelDB log blocks after a 7-byte
-    ':W&B' header; each record a wandb_internal_pb2.Record)."""
-    from wandb.proto import wandb_internal_pb2 as pb
-
-    buf = run_file.read_bytes()
-    assert buf[:4] == b":W&B"
-    block, pos, pending, out = 32768, 7, b"", []
-    while pos + 7 <= len(buf):
-        left = block - pos % block
-        if left < 7:  # a block's tail too short for a header is padding
-            pos += left
-            continue
-        _crc, length, kind = struct.unpack("<IHB", buf[pos:pos + 7])
-        if kind == 0 and length == 0:
-            pos += left
-            continue
-        data, pos = buf[pos + 7:pos + 7 + length], pos + 7 + length
-        if kind == 1:  # full
-            out.append(data)
-        elif kind in (2, 3):  # first, middle
-            pending += data
-        elif kind == 4:  # last
-            out.append(pending + data)
-            pending = b""
-    records = []
-    for data in out:
-        rec = pb.Record()
-        rec.ParseFromString(data)
-        records.append(rec)
-    return records
-
-
 @pytest.fixture(scope="module")
 def reported_run(tmp_path_factory):
     pytest.importorskip("mlflow")
@@ -213,7 +180,7 @@ def test_hook_titan_on_step_end_mlflow_sink(reported_run) -> None:
 @pytest.mark.slow  # a real run in a subprocess
 def test_hook_titan_on_step_end_wandb_offline_sink(reported_run) -> None:
     (run_file,) = (reported_run.run_dir / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _wandb_records(run_file)
+    records = wandb_records(run_file)
     (run_rec,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
     assert run_rec.project == "tests"
     config = {item.key: json.loads(item.value_json) for item in run_rec.config.update}

@@ -9,6 +9,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
+from titan_plugins.testing.wandb_log import wandb_records
 from titan_plugins.train.sinks.mlflow_sink import MLflowSink
 from titan_plugins.train.sinks.wandb_sink import WandbSink
 
@@ -48,8 +49,6 @@ def test_mlflow_run_of_a_crashed_training_is_failed_with_its_history(tmp_path, m
 @pytest.mark.slow  # wandb starts its service process (a few seconds)
 def test_wandb_offline_run_of_a_crashed_training_keeps_history_and_exit_code(tmp_path, monkeypatch):
     pytest.importorskip("wandb")
-    from tests.test_run_report import _wandb_records
-
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     job, sink = _job(tmp_path), WandbSink()
@@ -62,7 +61,7 @@ def test_wandb_offline_run_of_a_crashed_training_keeps_history_and_exit_code(tmp
     # wandb's service process writes the log; under load it can lag finish() by a moment
     # (seen once in a loaded suite run: the file still empty). Wait for its exit record.
     def read() -> list:
-        return _wandb_records(run_file) if run_file.stat().st_size >= 7 else []
+        return wandb_records(run_file) if run_file.stat().st_size >= 7 else []
 
     deadline = time.monotonic() + 30
     records = read()
