@@ -2,7 +2,7 @@
 
 from titan_plugins import Capabilities, ModelSpec, PipelineInfo, hookimpl
 
-TITAN_PLUGINS_API = ">=1.0,<2"
+TITAN_PLUGINS_API = ">=1.1,<2"  # its parallelize hook is parallelize_decoder (API 1.1)
 
 
 @hookimpl
