@@ -9,27 +9,39 @@ sbatch job without ``srun`` (titan-run starts its own ranks in the allocation: t
 that ``--signal=B:USR1@T`` sends, requeued, resumed), an sbatch job whose ``srun`` step
 is preempted by ``scancel --signal=TERM`` (``checkpoint.on_signal=TERM``), requeued,
 resumed, an ``salloc``, and a submitit sweep with two tasks per job (one job fails).
+
+Nothing here sleeps for a fixed time or reads a log while a job may still write it: the
+fixture waits on Slurm's own record of each job (``titan_plugins.testing.slurm_jobs``:
+``JobState`` final, which a requeued job is not until its next run has ended) and on the
+``salloc`` and sweep commands' exits, all under one deadline that fails showing every
+job's state and log tail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+
+from titan_plugins.distributed.reaper import descendants
+from titan_plugins.testing.slurm_jobs import SlurmJob, submit, wait_until
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = str(Path(__file__).parent)
 RUN = ("model=tiny training.seq_len=32 training.steps=4 training.local_batch_size=1 "
        "metrics.tensorboard=false metrics.console=false")
-TIMEOUT = 300
+DEADLINE = 420  # s for every run together (~2 min on 2 busy cores); passing it fails, naming what is left
 PREEMPT = "checkpoint=periodic checkpoint.interval=2"  # step-2 saved before the signal after step 3
 
 
@@ -107,40 +119,74 @@ def docs_recipe() -> str:
 
 
 class Preempted:
-    """A job whose ranks wait after step 3; then ``scancel SIGNAL_ARGS JOB``, and once the
-    job requeued itself it may start at once (Slurm holds a requeued job ~2 minutes)."""
+    """A job whose ranks wait after step 3: once both wait, ``scancel SIGNAL_ARGS JOB``. The
+    job requeues itself; Slurm holds it ``cred_expire`` seconds (20 on the test cluster,
+    120 by default), then runs it again. Releasing the hold early (``scontrol update
+    StartTime=now``) within the requeue's second failed the job: "Job credential revoked"."""
 
-    def __init__(self, folder: Path, submit: subprocess.Popen, run_dir: str, scancel: list[str]) -> None:
-        self.folder, self.submit, self.run_dir, self.scancel = folder, submit, run_dir, scancel
-        self.job, self.signalled, self.state = "", False, ""
+    def __init__(self, job: SlurmJob, run_dir: Path, scancel: list[str]) -> None:
+        self.job, self.run_dir, self.scancel, self.signalled = job, run_dir, scancel, False
 
-    def _show(self) -> dict[str, str]:
-        out = subprocess.run(["scontrol", "-o", "show", "job", self.job], capture_output=True, text=True,
-                             timeout=20).stdout
-        return dict(re.findall(r"(\w+)=(\S*)", out))
-
-    def poll(self) -> bool:
-        """One look; True once the job is over (or is gone from Slurm's records)."""
-        if not self.job:
-            if self.submit.poll() is None:
-                return False
-            stdout, stderr = self.submit.communicate()
-            assert self.submit.returncode == 0, stderr
-            self.job = stdout.strip().split(";")[0]
-        run_dir = self.folder / self.run_dir.format(job=self.job)
-        if not self.signalled and all((run_dir / f"parked-{r}").exists() for r in (0, 1)):
-            subprocess.run(["scancel", *self.scancel, self.job], check=True, timeout=20)
+    def look(self) -> bool:
+        """One look; True once Slurm records the job as over (a requeued job is PENDING,
+        then runs again: over means after its resumed run)."""
+        if not self.signalled and all((self.run_dir / f"parked-{r}").exists() for r in (0, 1)):
+            subprocess.run(["scancel", *self.scancel, self.job.job_id], check=True, timeout=30)
             self.signalled = True
-        info = self._show()
-        self.state = f"{info.get('JobState')} restarts {info.get('Restarts')}"
-        if info.get("JobState") == "PENDING" and info.get("Restarts", "0") != "0":
-            subprocess.run(["scontrol", "update", f"jobid={self.job}", "StartTime=now"], timeout=20)
-        return not info or info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+        return self.job.look()
+
+    def describe(self) -> str:
+        return f"{self.job.describe()}\n  {'signalled' if self.signalled else 'ranks not both parked yet'}"
+
+
+class Runs(NamedTuple):
+    dirs: dict[str, Path]  # each run's folder
+    out: dict[str, tuple[int, str, str]]  # salloc's and the sweep's exit code, stdout, stderr
+    jobs: dict[str, str]  # the sbatch jobs' ids
+    records: dict[str, str]  # the sbatch jobs' final ``scontrol -o show job`` (Slurm forgets them MinJobAge after)
+
+
+def _queued() -> set[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%A"], capture_output=True, text=True, timeout=30).stdout
+    return set(out.split())
+
+
+class Command:
+    """``salloc`` or the sweep: a command that ends when its jobs have; its output in files
+    (a pipe nobody reads while it runs could fill and stop it)."""
+
+    def __init__(self, argv: list[str], folder: Path, name: str) -> None:
+        self.argv, self.files = argv, (folder / f"{name}.stdout", folder / f"{name}.stderr")
+        with self.files[0].open("w") as stdout, self.files[1].open("w") as stderr:
+            self.proc = subprocess.Popen(argv, cwd=folder, env=_env(), stdout=stdout, stderr=stderr)
+
+    def look(self) -> bool:
+        return self.proc.poll() is not None
+
+    def stop(self) -> None:
+        """Kill the command and all it started (salloc puts its command in a process group
+        of its own: killed alone, salloc would leave titan-run and its ranks running)."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def output(self) -> tuple[int, str, str]:
+        return self.proc.returncode, self.files[0].read_text(), self.files[1].read_text()
+
+    def describe(self) -> str:
+        code = "running" if self.proc.poll() is None else f"exit {self.proc.returncode}"
+        text = f"{' '.join(self.argv[:3])} ...: {code}"
+        for path in self.files:
+            tail = path.read_text(errors="replace").splitlines()[-10:]
+            text += f"\n  {path.name} ends:\n" + "\n".join(f"    {line}" for line in tail)
+        return text
 
 
 @pytest.fixture(scope="module")
-def runs(slurm_cluster, tmp_path_factory):
-    """Start every kind of run at once; wait for all; hand over their folders and outputs."""
+def runs(slurm_cluster, tmp_path_factory) -> Runs:
+    """Start every kind of run at once; wait until Slurm records every sbatch job as over
+    and salloc and the sweep have exited; hand over their folders, outputs and records."""
     base = tmp_path_factory.mktemp("slurm")
     dirs = {name: base / name for name in ("steps", "batch", "srun_term", "salloc", "sweep")}
     for d in dirs.values():
@@ -149,7 +195,6 @@ def runs(slurm_cluster, tmp_path_factory):
     (dirs["batch"] / "recipe.sh").write_text(docs_recipe())
     (dirs["srun_term"] / "job.sh").write_text(SRUN_TERM)
     commands = {
-        "steps": ["sbatch", "--wait", "-n", "4", "-o", "job.out", "steps.sh"],
         # two tasks allocated, no step: SLURM_NTASKS=2 without SLURM_PROCID (was a KeyError)
         "salloc": ["salloc", "-n", "2", "titan-run", *RUN.split()],
         "sweep": ["titan-run", "-m", "hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2",
@@ -161,30 +206,38 @@ def runs(slurm_cluster, tmp_path_factory):
                       "outputs/slurm-{job}.0", ["--signal=TERM"]),
     }
     start = time.monotonic()
-    procs = {name: subprocess.Popen(cmd, cwd=dirs[name], env=_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True) for name, cmd in commands.items()}
-    jobs = {name: Preempted(dirs[name], subprocess.Popen(cmd, cwd=dirs[name], env=_env(park_after=3),
-                                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True),
-                            run_dir, scancel)
-            for name, (cmd, run_dir, scancel) in preempted.items()}
-    out = {}
+    before = _queued()
+    procs: dict[str, Command] = {}
+    sbatched: list[SlurmJob] = []
+    jobs: dict[str, Preempted] = {}
     try:
-        waiting = dict(jobs)
-        while waiting:
-            waiting = {name: job for name, job in waiting.items() if not job.poll()}
-            assert time.monotonic() - start < TIMEOUT, {name: job.state for name, job in waiting.items()}
-            time.sleep(0.5)
-        for name, proc in procs.items():
-            stdout, stderr = proc.communicate(timeout=max(1.0, TIMEOUT - (time.monotonic() - start)))
-            out[name] = (proc.returncode, stdout, stderr)
-    finally:
-        for proc in procs.values():
-            proc.kill()
-        for job in jobs.values():
-            if job.job:
-                subprocess.run(["scancel", job.job], capture_output=True, timeout=20)
+        procs = {name: Command(cmd, dirs[name], name) for name, cmd in commands.items()}
+        sbatched.append(submit(["sbatch", "--parsable", "-n", "4", "-o", "job.out", "steps.sh"], cwd=dirs["steps"],
+                               env=_env()))
+        for name, (cmd, run_dir, scancel) in preempted.items():
+            sbatched.append(job := submit(cmd, cwd=dirs[name], env=_env(park_after=3)))
+            jobs[name] = Preempted(job, dirs[name] / run_dir.format(job=job.job_id), scancel)
+        waiting = {"steps": sbatched[0], **jobs, **procs}
+
+        def over() -> bool:
+            for name in [name for name, what in waiting.items() if what.look()]:
+                del waiting[name]
+            return not waiting
+
+        wait_until(over, start + DEADLINE,
+                   lambda: "\n".join(f"{name}: {what.describe()}" for name, what in waiting.items()))
+    finally:  # on a failure: nothing left running
+        if not all(cmd.look() for cmd in procs.values()):  # their allocations would outlive them
+            for cmd in procs.values():
+                cmd.stop()
+            subprocess.run(["scancel", *(_queued() - before)], capture_output=True, timeout=30)
+        for job in sbatched:
+            if not job.over:
+                subprocess.run(["scancel", job.job_id], capture_output=True, timeout=30)
+    out = {name: cmd.output() for name, cmd in procs.items()}
     print(f"slurm runs: {time.monotonic() - start:.1f} s", file=sys.stderr)
-    return dirs, out, {name: job.job for name, job in jobs.items()}
+    return Runs(dirs, out, {name: job.job.job_id for name, job in jobs.items()},
+                {name: job.job.record for name, job in jobs.items()})
 
 
 def _result(run_dir: Path) -> dict:
@@ -192,7 +245,7 @@ def _result(run_dir: Path) -> dict:
 
 
 def test_srun_steps_of_one_job_run_side_by_side_each_in_its_own_run_directory(runs):
-    dirs, out, _ = runs
+    dirs, out, _, _ = runs
     log = (dirs["steps"] / "job.out").read_text()
     step_dirs = sorted((dirs["steps"] / "outputs").glob("slurm-*.*"))
     assert len(step_dirs) == 2, log
@@ -207,7 +260,7 @@ def test_srun_steps_of_one_job_run_side_by_side_each_in_its_own_run_directory(ru
 
 
 def test_a_failing_rank_ends_its_step_with_one_error_line(runs):
-    dirs, out, _ = runs
+    dirs, out, _, _ = runs
     log = (dirs["steps"] / "job.out").read_text()
     assert "steps 0 " in log and "steps 0 0" not in log, log  # the failing step exited non-zero
     errors = [line for line in log.splitlines() if line.startswith("error:")]
@@ -229,7 +282,7 @@ def _srun_ok(dirs: dict[str, Path]) -> Path:
 
 
 def test_sbatch_without_srun_starts_its_own_ranks_like_a_workstation(runs):
-    dirs, out, jobs = runs
+    dirs, out, jobs, _ = runs
     log = (dirs["batch"] / "job.out").read_text()
     run_dir = dirs["batch"] / "outputs" / f"job-{jobs['batch']}"  # the recipe's hydra.run.dir
     result = _result(run_dir)
@@ -246,14 +299,14 @@ def test_the_docs_sbatch_recipe_saves_on_the_batch_signal_requeues_and_resumes_b
     titan-run; the ranks save step-3, titan-run exits 75, the script requeues the job, and
     the requeued job (same job id, same run directory) resumes from step-3: steps 1-4
     equal the uninterrupted srun step's, loss and gradient norm."""
-    dirs, out, jobs = runs
+    dirs, out, jobs, records = runs
     log = (dirs["batch"] / "job.out").read_text()
     run_dir = dirs["batch"] / "outputs" / f"job-{jobs['batch']}"
     step3 = run_dir.resolve() / "checkpoints" / "step-3"
     assert (f"preempted: SIGUSR1 at step 3: checkpoint {step3} saved; exit 75: run the same command again to "
             "resume") in log.splitlines(), log
     assert f"resumed from checkpoint {step3} (step 3)" in log, log
-    info = subprocess.run(["scontrol", "-o", "show", "job", jobs["batch"]], capture_output=True, text=True).stdout
+    info = records["batch"]  # Slurm's record when the job ended, not MinJobAge later
     assert "JobState=COMPLETED" in info and "Restarts=1 " in info and "ExitCode=0:0" in info, info
     assert _steps(run_dir) == _steps(_srun_ok(dirs))
 
@@ -264,7 +317,7 @@ def test_an_srun_step_saves_on_slurms_sigterm_exits_75_and_resumes_bit_for_bit(r
     75, so does srun (a rank still shutting down used to be killed by Slurm when the
     first had exited: 143, no requeue); the requeued job's step (``slurm-<job>.0``
     again) resumes from step-3 and trains step 4 like the uninterrupted srun step."""
-    dirs, out, jobs = runs
+    dirs, out, jobs, _ = runs
     log = (dirs["srun_term"] / "job.out").read_text()
     run_dir = dirs["srun_term"] / "outputs" / f"slurm-{jobs['srun_term']}.0"
     step3 = run_dir.resolve() / "checkpoints" / "step-3"
@@ -279,7 +332,7 @@ def test_an_srun_step_saves_on_slurms_sigterm_exits_75_and_resumes_bit_for_bit(r
 
 
 def test_salloc_runs_titan_run_in_the_allocation(runs):
-    dirs, out, _ = runs
+    dirs, out, _, _ = runs
     code, stdout, stderr = out["salloc"]
     assert code == 0, stderr[-3000:]
     (run_dir,) = (dirs["salloc"] / "outputs").glob("*/*")
@@ -288,7 +341,7 @@ def test_salloc_runs_titan_run_in_the_allocation(runs):
 
 
 def test_submitit_sweep_one_directory_all_jobs_listed_failure_fails_the_sweep(runs):
-    dirs, out, _ = runs
+    dirs, out, _, _ = runs
     code, stdout, stderr = out["sweep"]
     assert code == 1, stdout[-3000:] + stderr[-3000:]
     (sweep,) = (dirs["sweep"] / "multirun").glob("*/*")  # one directory for the sweep

@@ -70,6 +70,12 @@ SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job is held cred_expire seconds (default 120) before it may start again, so
+# that no credential of its previous run is still live (the tests' preempted jobs wait
+# this out). 20 s still covers a step launch on a loaded machine (the other thing it
+# bounds). Releasing the hold by hand (StartTime=now) within the requeue's second fails
+# the job: "Killing non-startable batch job: Job credential revoked".
+AuthInfo=cred_expire=20
 CredType=cred/munge
 MpiDefault=none
 ProctrackType=proctrack/linuxproc
@@ -77,6 +83,9 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# A job that becomes eligible by time alone (a requeued job's hold ending) starts at the
+# next pass of the main scheduling loop: every 60 s by default, every 2 s here.
+SchedulerParameters=sched_interval=2
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
