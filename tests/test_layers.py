@@ -31,7 +31,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("model", ("model",)),
     ("checkpoint", ("checkpoint",)),
     ("export", ("export",)),
-    ("objectives", ("objectives",)),
+    ("objectives", ("objectives", "rewards")),
     ("train", ("train",)),
     ("apps", ("hf", "generate", "plan", "compare")),
     ("cli", ("cli",)),

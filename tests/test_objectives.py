@@ -131,11 +131,12 @@ def test_titan_run_list_shows_the_objectives_and_a_broken_one(monkeypatch, capsy
     listed = out[out.index("objectives (objective=NAME):"):].splitlines()
     assert listed[1].split()[:3] == ["sft", f"titan-plugins=={__version__}", "[rows]"]
     assert listed[2].split()[:3] == ["dpo", f"titan-plugins=={__version__}", "[pairs]"]
-    assert listed[3].split() == ["mine", "my-dist==1.0", "[rows]", "x"]
+    assert listed[3].split()[:3] == ["grpo", f"titan-plugins=={__version__}", "[prompts]"]
+    assert listed[4].split() == ["mine", "my-dist==1.0", "[rows]", "x"]
     assert "objective 'bad' (pkg.bad:SPEC) from bad-dist==2 failed to load: ImportError" in out
     assert run_main(["--list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert [(o["name"], o["origin"], o["data"]) for o in data["objectives"]][2:] == [("mine", "my-dist==1.0", "rows")]
+    assert [(o["name"], o["origin"], o["data"]) for o in data["objectives"]][3:] == [("mine", "my-dist==1.0", "rows")]
     assert any("objective 'bad'" in e for e in data["errors"])
 
 

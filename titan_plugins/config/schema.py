@@ -174,6 +174,15 @@ class PreferenceDataConfig:
 
 
 @dataclass
+class PromptDataConfig:
+    """``data.name=prompts`` (titan_plugins/data/prompt_source.py): TRL's prompt-only rows
+    for online objectives; every other column goes to the reward functions."""
+
+    prompt_field: str = "prompt"
+    template: str | None = None  # as data.chat.template: a .jinja file or a shipped name; default the tokenizer's
+
+
+@dataclass
 class DataConfig:
     name: str = "builtin"  # a registered dataset: builtin, synthetic, text, jsonl, parquet, hf, mix
     path: str | None = None  # file, directory or local dataset for text/jsonl/hf
@@ -186,6 +195,7 @@ class DataConfig:
     mix: list[Any] = field(default_factory=list)  # data.name=mix: [{name, path, weight}, ...]
     chat: ChatDataConfig = field(default_factory=ChatDataConfig)  # data.name=chat
     preference: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)  # data.name=preference
+    prompts: PromptDataConfig = field(default_factory=PromptDataConfig)  # data.name=prompts
 
 
 @dataclass
@@ -284,15 +294,43 @@ class ObjectiveConfig:
     The knobs of the DPO family are named as TRL's DPOConfig/CPOConfig/ORPOConfig name
     them; a third-party objective reads its own from ``options``."""
 
-    name: str = "sft"  # sft | dpo | an installed objective (titan-plugins list)
-    loss_type: str = "sigmoid"  # dpo: sigmoid | ipo | hinge | robust | simpo | orpo
-    beta: float = ranged(0.1, "(0, inf)")  # the KL weight (simpo: the reward scale; orpo: the odds-ratio weight)
+    name: str = "sft"  # sft | dpo | grpo | an installed objective (titan-plugins list)
+    # dpo: sigmoid | ipo | hinge | robust | simpo | orpo; grpo: grpo | dapo | dr_grpo | bnpo
+    loss_type: str = "sigmoid"
+    # the KL weight (dpo: above 0; simpo: the reward scale; orpo: the odds-ratio weight; grpo: 0 = no reference)
+    beta: float = ranged(0.1, "[0, inf)")
     label_smoothing: float = ranged(0.0, "[0, 0.5)")  # robust: the assumed share of flipped labels
     simpo_gamma: float = ranged(0.5, "[0, inf)")  # simpo: the target reward margin
     # dpo with a reference: its log-probs computed from the starting weights in a first pass and
     # stored in the run directory (no frozen copy under full fine-tuning)
     precompute_ref: bool = False
+    # grpo (titan_plugins/objectives/grpo.py), named as TRL's GRPOConfig names them
+    num_generations: int = ranged(8, "[2, inf)")  # completions sampled per prompt (a group)
+    max_completion_length: int = ranged(64, "[1, inf)")  # new tokens per completion at most
+    temperature: float = ranged(1.0, "(0, inf)")  # sampling, and every log-prob and entropy of the loss
+    top_p: float = ranged(1.0, "(0, 1]")
+    top_k: int = ranged(0, "[0, inf)")  # 0: off
+    epsilon: float = ranged(0.2, "[0, inf)")  # the clip range's lower side (and upper, without epsilon_high)
+    epsilon_high: float | None = ranged(None, "[0, inf)")  # DAPO's asymmetric upper side
+    scale_rewards: str = "group"  # group | batch | none: what the advantages are divided by
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    num_iterations: int = ranged(1, "[1, inf)")  # policy updates per generation batch (old log-probs kept)
+    mask_truncated_completions: bool = False  # completions ending in neither EOS nor padding train nothing
+    use_bias_correction_kl: bool = True  # beta > 0: the KL term weighted by the importance ratio (TRL's default)
+    reward_funcs: list[str] = field(default_factory=list)  # rewards (titan_plugins.rewards entry points)
+    reward_weights: list[float] | None = None  # one per reward (None: all 1.0)
+    reward_options: dict[str, Any] = field(default_factory=dict)  # {reward: {keyword: value}}
     options: dict[str, Any] = field(default_factory=dict)  # a third-party objective's own knobs
+
+
+@dataclass
+class RolloutConfig:
+    """``rollout=<engine>`` with ``objective=grpo``: where the completions come from
+    (titan_plugins/objectives/rollout.py). ``native``: sampled from the live policy with
+    the KV cache; ``file``: replayed from ``path`` (JSONL)."""
+
+    name: str = "native"  # native | file
+    path: str | None = None  # file: the JSONL of completions (and rewards) to replay
 
 
 @dataclass
@@ -309,4 +347,5 @@ class JobConfig:
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)  # peft=lora: titan_plugins/peft
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # objective=dpo: titan_plugins/objectives
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)  # objective=grpo's completions
     run_dir: str = "."  # set by titan-run to Hydra's output directory

@@ -75,6 +75,13 @@ DATASETS = (
         description="300 synthetic preference pairs (shipped), ChatML, as data.name=preference",
     ),
     DatasetSpec(
+        name="prompts",
+        build="titan_plugins.data.prompt_source:build_prompts",
+        check="titan_plugins.data.prompt_source:check_prompts",
+        description="prompt-only rows for objective=grpo (data.path: JSONL, Parquet or a save_to_disk folder; "
+        "TRL's prompt messages or string, other columns to the rewards; default the shipped arithmetic task)",
+    ),
+    DatasetSpec(
         name="mix",
         build=f"{_SOURCES}:build_mix",
         check=_CHECK,

@@ -61,7 +61,10 @@ class DataLoader:
                 f"{tuple(labels.shape)}, expected {expected}"
             )
         docs = torch.stack([p[2] for p in pairs]).long() if len(pairs[0]) > 2 else None
-        return Batch(inputs, labels, docs)
+        batch = Batch(inputs, labels, docs)
+        if hasattr(pairs[0], "row"):  # a source's per-row payload (data.name=prompts)
+            batch.rows = [p.row for p in pairs]
+        return batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"dataset": self.dataset.state_dict()}

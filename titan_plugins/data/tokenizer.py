@@ -114,8 +114,9 @@ class Tokenizer:
 
 def build_tokenizer(data_config: Any) -> Tokenizer:
     """The tokenizer ``data.tokenizer`` names, or the shipped one (vocab 2048; for chat
-    and preference data its ChatML variant, ``assets/chat_tokenizer``)."""
-    chat = getattr(data_config, "name", None) in ("chat", "chat_sample", "preference", "preference_sample")
+    preference and prompts data its ChatML variant, ``assets/chat_tokenizer``)."""
+    chat = getattr(data_config, "name", None) in ("chat", "chat_sample", "preference", "preference_sample",
+                                                 "prompts")
     path = getattr(data_config, "tokenizer", None) or (ASSETS / "chat_tokenizer" if chat else DEFAULT_TOKENIZER)
     return Tokenizer.load(path)
 

@@ -28,6 +28,8 @@ from titan_plugins.objectives.spec import DataKind, ObjectiveSpec
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
+    from titan_plugins.objectives.job import JobView
+
 __all__ = ["Objective"]
 
 
@@ -47,7 +49,7 @@ class Objective(ABC):
 
     @property
     def data(self) -> DataKind:
-        """The batches it trains on (``rows`` or ``pairs``)."""
+        """The batches it trains on (``rows``, ``pairs`` or ``prompts``)."""
         return self.spec.data
 
     @property
@@ -72,6 +74,18 @@ class Objective(ABC):
     def empty_message(self, job: DictConfig) -> str:
         """The error when a global batch counts 0 (the loss would be 0/0)."""
         return f"data.name={job.data.name}: a global batch has nothing to train on"
+
+    def rollout(self, run: JobView, step: int, batches: list[Any]) -> list[Any]:
+        """The rollout stage of an online objective: called by the train step with the
+        step's batches (``step`` counting from 1) before their microbatches run, it
+        returns the batches to train on (grpo: the prompts' completions, scored). The
+        default trains on the batches as the data source made them."""
+        return batches
+
+    def loss_inputs(self, batch: Any) -> dict[str, Any]:
+        """What ``loss`` takes from a microbatch besides its output and labels, as keyword
+        arguments (grpo: ``rollout=`` the batch, with its advantages)."""
+        return {}
 
     def reference_stats(self, output: torch.Tensor, labels: torch.Tensor) -> Any:
         """What ``loss`` needs of the reference's output (so its logits can go at once)."""

@@ -119,6 +119,8 @@ class DPOObjective(Objective):
         self.simpo_gamma = float(get("simpo_gamma", 0.5))
         if self.loss_type not in LOSS_TYPES:
             raise ConfigError(f"objective.loss_type={self.loss_type}: expected one of {', '.join(LOSS_TYPES)}")
+        if self.beta <= 0:
+            raise ConfigError(f"objective.beta={self.beta:g} must be positive with objective.name=dpo")
 
     def describe(self) -> str:
         knobs = f"loss_type {self.loss_type}, beta {self.beta:g}"

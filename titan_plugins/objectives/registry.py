@@ -1,4 +1,4 @@
-"""The objectives a run can choose: the core's own (sft, dpo) and those of installed
+"""The objectives a run can choose: the core's own (sft, dpo, grpo) and those of installed
 distributions under the entry-point group ``titan_plugins.objectives``.
 
 Discovery mirrors the model plugins' (``titan_plugins.plugins``): each entry point is
@@ -35,6 +35,13 @@ BUILTIN_OBJECTIVES = (
         data=DataKind.pairs,
         needs_reference=True,
         description="preference pairs: DPO (sigmoid, ipo, hinge, robust) and the reference-free simpo, orpo",
+    ),
+    ObjectiveSpec(
+        name="grpo",
+        build="titan_plugins.objectives.grpo:GRPOObjective",
+        data=DataKind.prompts,
+        description="online RL on prompts: completions sampled each step (rollout=native|file), scored by rewards "
+        "(titan_plugins.rewards); grpo, dapo, dr_grpo, bnpo, GSPO",
     ),
 )
 

@@ -24,6 +24,7 @@ class DataKind(str, Enum):
 
     rows = "rows"  # token rows with labels (pre-training, chat SFT)
     pairs = "pairs"  # preference pairs: a batch is [chosen rows; rejected rows]
+    prompts = "prompts"  # prompts whose completions the objective samples (its rollout stage)
 
 
 @dataclass(frozen=True)

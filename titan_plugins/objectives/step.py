@@ -78,7 +78,8 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
                         reference = run.reference(
                             inputs, lambda out, labels=labels: objective.reference_stats(out, labels), labels)
                 with run.loss_context():
-                    loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference)
+                    loss, stats = objective.loss(model.parts[0](inputs), labels, scale=count, reference=reference,
+                                                 **objective.loss_inputs(batch))
                     if train:
                         loss.backward()
                 loss_sum += _local(loss).to(acc_dtype)

@@ -40,6 +40,9 @@ def memory_gib(device_type: str) -> float:
     return rss / 2**20 if sys.platform != "darwin" else rss / 2**30
 
 
+OBJECTIVE_PLAIN = ("reward", "reward_std", "kl", "entropy")  # objective metrics TRL names without a namespace
+
+
 class ConsoleSink:
     """One line per ``metrics.log_freq`` steps on rank 0."""
 
@@ -61,7 +64,9 @@ class ConsoleSink:
         ]
         if "mfu" in metrics:
             parts.append(f"MFU {metrics['mfu']:.1f}%")
-        # An objective's own metrics are namespaced (dpo: rewards/margins, logps/chosen, ...)
+        # An objective's own metrics are namespaced (dpo: rewards/margins, logps/chosen, ...), but for
+        # the few TRL logs unnamespaced (grpo: reward, reward_std, kl, entropy), which go first
+        parts.extend(f"{key} {metrics[key]:.4g}" for key in OBJECTIVE_PLAIN if key in metrics)
         parts.extend(f"{key} {metrics[key]:.4g}" for key in sorted(metrics) if "/" in key)
         parts.append(f"mem {metrics['memory_gib']:.2f} GiB")
         if "eta_s" in metrics:

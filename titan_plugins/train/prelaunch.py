@@ -104,9 +104,15 @@ def check_job(job: DictConfig, model_config: Any, datasets: Mapping[str, Dataset
             "(lower training.seq_len or raise model.max_seq_len)"
         )
     check_data(job.data, datasets)
+    from titan_plugins.objectives.base import Objective
     from titan_plugins.objectives.registry import build_objective
 
-    build_objective(job.get("objective")).check(job)  # its own limits (dpo: pair data, even batch, no PP)
+    objective = build_objective(job.get("objective"))
+    objective.check(job)  # its own limits (dpo: pair data, even batch, no PP)
+    rollout = job.get("rollout")
+    if rollout is not None and rollout.name != "native" and type(objective).rollout is Objective.rollout:
+        raise ConfigError(f"rollout={rollout.name}: objective.name={objective.name} samples nothing "
+                          "(rollout= chooses where an online objective's completions come from: objective=grpo)")
     hf = job.model.get("hf") if hasattr(job.model, "get") else None
     if hf:
         check_hf_weights(hf)

@@ -267,6 +267,7 @@ class Trainer:
             t0 = time.perf_counter()
             lr = float(self.schedulers[0].get_last_lr()[0])
             batches = [next(data) for _ in range(self.accum)]
+            batches = self.objective.rollout(self, step + 1, batches)  # online objectives: sample and score
             loss, grad_norm, _trained = self.train_step(batches)
             step += 1
             dt = time.perf_counter() - t0
