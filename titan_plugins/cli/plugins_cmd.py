@@ -98,12 +98,17 @@ def gather(pm: TitanPluginManager) -> dict[str, Any]:
     from titan_plugins.objectives.registry import discover
 
     objectives = discover()  # the entry-point group titan_plugins.objectives (and the core's own)
+    from titan_plugins.rewards import discover as discover_rewards
+
+    rewards = discover_rewards()  # the entry-point group titan_plugins.rewards (and the core's own)
     return {
         "core": {"dist": "titan-plugins", "version": __version__, "api": API_VERSION},
         "plugins": plugins,
         "objectives": [{"name": spec.name, "origin": objectives.origins[spec.name], "data": spec.data.value,
                         "description": spec.description} for spec in objectives.specs.values()],
-        "errors": list(pm.errors) + objectives.errors,
+        "rewards": [{"name": name, "origin": rewards.origins[name], "description": rewards.descriptions[name]}
+                    for name in rewards.refs],
+        "errors": list(pm.errors) + objectives.errors + rewards.errors,
     }
 
 
@@ -148,6 +153,9 @@ def run_list(args: argparse.Namespace, pm: TitanPluginManager) -> int:
     out.append("")
     out.append("objectives (objective=NAME):")
     out.extend(f"  {o['name']:<10} {o['origin']}  [{o['data']}]  {o['description']}" for o in data["objectives"])
+    out.append("")
+    out.append("rewards (objective.reward_funcs=[NAME,...]):")
+    out.extend(f"  {r['name']:<10} {r['origin']}  {r['description']}" for r in data["rewards"])
     if data["errors"]:
         out.append("")
         out.append(f"{len(data['errors'])} load error(s):")
