@@ -56,7 +56,7 @@ def test_text_report_and_exit_code(capsys):
     spec, job, pm = _job(["model=tiny", "parallelism=fsdp2_tp2_pp2", "plan=true"])
     assert run_plan(spec, job, pm) == 0
     out = capsys.readouterr().out
-    assert out.startswith("plan: tiny debugmodel on 8 ranks (dp_replicate=1 dp_shard=2 tp=2 pp=2")
+    assert out.startswith("plan: tiny debugmodel on 8 ranks (dp_replicate=1 dp_shard=2 cp=1 tp=2 pp=2")
     assert "meshes: world pp=2" in out
     assert "rank 0 (" in out and "rank 4 (" in out  # rank 0 and the first rank of the last stage
     assert "stage 0: layers.0-1 + tok_embeddings" in out
@@ -199,7 +199,7 @@ def test_deepseek_v3_671b_at_2048_ranks():
     elapsed = time.perf_counter() - start
     assert elapsed < 60, f"the 671B plan took {elapsed:.1f} s"
     assert plan.world_size == 2048
-    assert plan.degrees == {"dp_replicate": 1, "dp_shard": 16, "tp": 8, "pp": 16, "ep": 64, "etp": 1}
+    assert plan.degrees == {"dp_replicate": 1, "dp_shard": 16, "cp": 1, "tp": 8, "pp": 16, "ep": 64, "etp": 1}
     assert plan.meshes["ep"] == 64 and plan.meshes["expert_fsdp"] == 2 and plan.meshes["pp"] == 16
     r0, last = plan.ranks
     assert (r0.rank, last.rank) == (0, 1920)

@@ -1,7 +1,7 @@
 """Every parallelism preset's name states its degrees, and every preset composes.
 
 Names are ``_``-joined ``<dim><degree>`` tokens: ``hsdp`` (dp_replicate), ``fsdp``
-(dp_shard), ``tp``, ``pp``, ``ep``, ``etp``; a dim not named is 1; ``single`` is all 1.
+(dp_shard), ``cp``, ``tp``, ``pp``, ``ep``, ``etp``; a dim not named is 1; ``single`` is all 1.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from titan_plugins.plugins import get_plugin_manager
 
 CONF = Path(hydra_glue.__file__).resolve().parents[1] / "conf"
 PRESETS = sorted(p.stem for p in (CONF / "parallelism").glob("*.yaml"))
-TOKEN = re.compile(r"^(hsdp|fsdp|etp|tp|pp|ep)(\d+)$")
-DIMS = {"hsdp": "dp_replicate", "fsdp": "dp_shard", "tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp"}
+TOKEN = re.compile(r"^(hsdp|fsdp|cp|etp|tp|pp|ep)(\d+)$")
+DIMS = {"hsdp": "dp_replicate", "fsdp": "dp_shard", "cp": "cp", "tp": "tp", "pp": "pp", "ep": "ep", "etp": "etp"}
 
 
 def degrees_from_name(name: str) -> dict[str, int]:
@@ -44,6 +44,7 @@ def load(name: str) -> dict[str, Any]:
 
 def test_presets_exist() -> None:
     assert {"single", "fsdp2", "fsdp4_tp2_ep2", "fsdp2_tp2_ep2_pp2"} <= set(PRESETS)
+    assert {"cp2", "fsdp2_cp2", "cp2_tp2", "fsdp2_cp2_tp2"} <= set(PRESETS)
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -52,7 +53,7 @@ def test_preset_name_states_its_degrees(name: str) -> None:
     content = load(name)
     actual = {dim: int(content.get(dim, 1)) for dim in DIMS.values()}
     assert actual == expected, f"parallelism/{name}.yaml says {actual}"
-    world = expected["dp_replicate"] * expected["dp_shard"] * expected["tp"] * expected["pp"]
+    world = expected["dp_replicate"] * expected["dp_shard"] * expected["cp"] * expected["tp"] * expected["pp"]
     comment = re.search(r"world size (\d+)", (CONF / "parallelism" / f"{name}.yaml").read_text())
     if comment:
         assert int(comment.group(1)) == world, f"{name}: comment says world size {comment.group(1)}"
@@ -91,4 +92,4 @@ def test_name_parser_rejects_bad_names() -> None:
     with pytest.raises(AssertionError):
         degrees_from_name("tp2_tp4")
     assert degrees_from_name("hsdp2_fsdp4_tp2_ep4_etp2_pp2") == {
-        "dp_replicate": 2, "dp_shard": 4, "tp": 2, "pp": 2, "ep": 4, "etp": 2}
+        "dp_replicate": 2, "dp_shard": 4, "cp": 1, "tp": 2, "pp": 2, "ep": 4, "etp": 2}

@@ -58,12 +58,18 @@ class PipelineInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class Capabilities:
-    """Which parallelisms the parallelize hook implements (checked before launch)."""
+    """Which parallelisms the parallelize hook implements (checked before launch).
+
+    ``cp``: the model runs under context parallelism: its attention goes through
+    ``titan_plugins.components.attention.attend`` (or the masks and helpers of
+    ``components.cp_attention``), its rotary table through ``cp_attention.rope_rows``.
+    """
 
     fsdp: bool = True
     tp: bool = False
     ep: bool = False
     pp: bool = False
+    cp: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

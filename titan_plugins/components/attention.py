@@ -2,7 +2,9 @@
 
 The enum is importable without torch (model configs live in Hydra schemas); the
 functions import torch when called. ``auto`` picks flex attention where it has a
-backward (CUDA) and SDPA elsewhere; ``flex`` on CPU runs forward only.
+backward (CUDA) and SDPA elsewhere; ``flex`` on CPU runs forward only. Under context
+parallelism (a sequence shard in flight, ``cp_attention``) ``attend`` gathers the keys
+and values of the whole row and runs SDPA; flex is not used.
 """
 
 from __future__ import annotations
@@ -30,7 +32,12 @@ class AttentionBackend(str, Enum):
 
 
 def use_flex(backend: AttentionBackend | str, device: torch.device) -> bool:
-    """Whether ``backend`` runs flex attention on ``device`` (a plain string works too)."""
+    """Whether ``backend`` runs flex attention on ``device`` (a plain string works too);
+    never under context parallelism (SDPA with a boolean mask there)."""
+    from titan_plugins.components.cp_attention import current_shard
+
+    if current_shard() is not None:
+        return False
     if backend == AttentionBackend.auto:
         return device.type == "cuda"
     return backend == AttentionBackend.flex
@@ -63,10 +70,17 @@ def attend(
     enable_gqa: bool = False,
 ) -> torch.Tensor:
     """Attention on ``[B, H, S, D]``: flex for a ``BlockMask``, else SDPA with the boolean
-    ``mask`` (True = attend) or, for None, SDPA's ``is_causal``."""
+    ``mask`` (True = attend) or, for None, SDPA's ``is_causal``. Under context
+    parallelism ``q``/``k``/``v`` are this rank's positions and the mask (None: causal)
+    covers the whole row's keys (``cp_attention.attend_sharded``)."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import BlockMask
 
+    from titan_plugins.components.cp_attention import attend_sharded, current_shard
+
+    shard = current_shard()
+    if shard is not None:
+        return attend_sharded(shard, q, k, v, mask, scale, enable_gqa)
     if isinstance(mask, BlockMask):
         return flex_kernel(q.device)(q, k, v, block_mask=mask, scale=scale, enable_gqa=enable_gqa)
     return F.scaled_dot_product_attention(

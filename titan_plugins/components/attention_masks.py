@@ -14,6 +14,11 @@ token inside a conversation is no boundary): the trainer sets them with
 place of the ids found from ``eos_id``, so every model that builds a
 ``block_causal`` mask from ``document_ids`` honours them without a new argument.
 
+Under context parallelism (``cp_attention``: a sequence shard in flight) the tokens are
+this rank's load-balanced positions: ``document_ids`` numbers documents over the whole
+row, and ``dense_mask`` masks this rank's queries (their global positions) against
+every key of the row, with the whole row's document ids.
+
 The enum is importable without torch (model configs live in Hydra schemas); the
 builders import torch when called.
 """
@@ -87,11 +92,17 @@ def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
     if any, else found from the tokens (an EOS ends its document)."""
     import torch
 
+    from titan_plugins.components.cp_attention import current_shard
+
     given = _given(tokens)
     if given is not None:
         return given
 
     eos = (tokens == eos_id).to(torch.int32)
+    shard = current_shard()
+    if shard is not None:  # context parallel: count the EOS of the whole row, keep this rank's
+        eos = shard.gather_ids(eos)
+        return shard.local(torch.cumsum(eos, dim=1) - eos)
     return torch.cumsum(eos, dim=1) - eos
 
 
@@ -110,12 +121,21 @@ def _predicate(doc: torch.Tensor | None, chunk: int | None):
 def dense_mask(
     doc: torch.Tensor | None, seqlen: int, chunk: int | None, device: torch.device
 ) -> torch.Tensor:
-    """Boolean SDPA mask ``[B, 1, S, S]`` (``B`` = 1 without documents)."""
+    """Boolean SDPA mask ``[B, 1, S, S]`` (``B`` = 1 without documents); under context
+    parallelism ``[B, 1, S / cp, S]``, this rank's queries against the whole row."""
     import torch
 
+    from titan_plugins.components.cp_attention import current_shard
+
+    shard = current_shard()
+    if shard is not None:
+        doc = None if doc is None else shard.gather_ids(doc)
+        q = shard.positions(device).view(1, 1, -1, 1)
+        seqlen = shard.seq_len
+    else:
+        q = torch.arange(seqlen, device=device).view(1, 1, seqlen, 1)
     batch = 1 if doc is None else doc.shape[0]
     b = torch.arange(batch, device=device).view(batch, 1, 1, 1)
-    q = torch.arange(seqlen, device=device).view(1, 1, seqlen, 1)
     kv = torch.arange(seqlen, device=device).view(1, 1, 1, seqlen)
     return _predicate(doc, chunk)(b, None, q, kv)
 
@@ -123,8 +143,13 @@ def dense_mask(
 def block_mask(
     doc: torch.Tensor | None, seqlen: int, chunk: int | None, device: torch.device
 ) -> BlockMask:
-    """The same mask as a flex attention ``BlockMask``."""
+    """The same mask as a flex attention ``BlockMask`` (not under context parallelism)."""
     from torch.nn.attention.flex_attention import create_block_mask
+
+    from titan_plugins.components.cp_attention import current_shard
+
+    if current_shard() is not None:
+        raise ValueError("context parallel: flex BlockMasks do not run under cp (use dense_mask)")
 
     batch = None if doc is None else doc.shape[0]
     return create_block_mask(_predicate(doc, chunk), batch, None, seqlen, seqlen, device=device)

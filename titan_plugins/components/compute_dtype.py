@@ -74,7 +74,7 @@ def unsharded_compute_dtype(precision: DictConfig, parallel_dims: ParallelDims) 
 
     if getattr(precision, "compute_dtype", None) is not None:
         return None
-    degrees = ("dp_shard", "dp_replicate", "tp", "pp", "ep")
+    degrees = ("dp_shard", "dp_replicate", "cp", "tp", "pp", "ep")
     if any(int(getattr(parallel_dims, name, 1)) > 1 for name in degrees):
         return None
     param = to_torch_dtype(precision.param_dtype)

@@ -31,6 +31,7 @@ from titan_plugins.components.attention_masks import (
     document_ids,
 )
 from titan_plugins.components.compute_dtype import ComputeDtypeMixin, cast, linear
+from titan_plugins.components.cp_attention import global_seq_len, rope_rows
 from titan_plugins.components.gqa import AttentionMaskT
 from titan_plugins.components.init import init_block_, init_decoder_
 
@@ -158,12 +159,13 @@ class Decoder(ComputeDtypeMixin, nn.Module):
         ``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""
         if cache is not None:
             return self._decode(tokens, cache)
-        seq, rope = tokens.shape[1], self.rope
+        seq, rope = global_seq_len(tokens.shape[1]), self.rope
         if seq > rope.shape[0]:
             raise ValueError(
                 f"sequence length {seq} exceeds model.max_seq_len={rope.shape[0]} "
                 "(the rotary cache length); raise model.max_seq_len"
             )
+        rope = rope_rows(rope)  # context parallel: the rows of this rank's global positions
         if self.tok_embeddings is not None:
             if doc_ids is None:
                 doc_ids = self.stage_inputs(tokens).get("doc_ids")

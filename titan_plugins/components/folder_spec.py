@@ -26,7 +26,7 @@ LOAD_BALANCE_HOOKS = "titan_plugins.components.moe:build_load_balance_hooks"
 def folder_spec(
     name: str, package: str, *, config: str, adapter: str, description: str, moe: bool,
     hf: bool = True, output: str = "output", stage_inputs: str | None = "stage_inputs",
-    capabilities: Capabilities | None = None,
+    capabilities: Capabilities | None = None, cp: bool = False,
 ) -> ModelSpec:
     """The spec of model ``name`` whose code lives in the folder ``package``.
 
@@ -35,7 +35,8 @@ def folder_spec(
     ``hf``: ``hf_config.py`` maps ``config.json`` both ways. ``output``: the output
     projection's attribute (a last-stage module under PP). ``stage_inputs``: the
     model method whose result every pipeline stage gets (None: none). Default
-    capabilities: FSDP, TP and PP, plus EP when ``moe``.
+    capabilities: FSDP, TP and PP, plus EP when ``moe``, plus CP when ``cp`` (the
+    model's attention and rotary table go through the shared components).
     """
 
     def ref(module: str, attr: str) -> str:
@@ -59,7 +60,7 @@ def folder_spec(
             last_stage_modules=("norm", output),
             stage_inputs=stage_inputs,
         ),
-        capabilities=capabilities or Capabilities(fsdp=True, tp=True, ep=moe, pp=True),
+        capabilities=capabilities or Capabilities(fsdp=True, tp=True, ep=moe, pp=True, cp=cp),
         description=description,
     )
 

@@ -75,6 +75,10 @@ class SinkKernel(CausalKernel):
         self.sinks = nn.Parameter(torch.empty(n_heads))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMaskT) -> torch.Tensor:
+        from titan_plugins.components.cp_attention import current_shard
+
+        if current_shard() is not None:
+            raise ValueError("attention sinks (SinkKernel) do not run under context parallelism (parallelism.cp)")
         sinks = self.sinks.to_local() if hasattr(self.sinks, "to_local") else self.sinks
         if sinks.shape[0] != q.shape[1]:
             raise ValueError(f"attention sinks: {sinks.shape[0]} sinks for {q.shape[1]} query heads")

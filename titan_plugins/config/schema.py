@@ -70,15 +70,18 @@ class SaveSignal(str, Enum):
 
 @dataclass
 class ParallelismConfig:
-    """Degrees: dp_replicate x dp_shard x tp x pp = world size.
+    """Degrees: dp_replicate x dp_shard x cp x tp x pp = world size.
 
     EP borrows from dp_shard x tp: with ``etp=1`` it spans ``ep/tp`` dp_shard ranks
     and all of tp; with ``etp=tp`` it spans ``ep`` dp_shard ranks.
+    ``cp``: context parallel, each row's sequence split over ``cp`` ranks in
+    ``2 * cp`` load-balanced chunks (titan_plugins/distributed/context_parallel.py).
     ``dp_shard=-1`` fills what the world size leaves (torchrun/Slurm or ``world_size``).
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
+    cp: int = 1
     tp: int = 1
     pp: int = 1
     ep: int = 1

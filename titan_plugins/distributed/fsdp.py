@@ -97,8 +97,9 @@ def apply_fsdp(
     """Shard ``model`` with FSDP2, one unit per block.
 
     - every block in ``model.<layers_attr>`` (an ``nn.ModuleDict``) is its own unit on
-      the ``fsdp`` mesh: 1-D ``dp_shard``, or 2-D ``(dp_replicate, dp_shard)`` for HSDP
-      (also when only ``dp_replicate > 1``: shard size 1 = pure replication);
+      the ``fsdp`` mesh: 1-D ``dp_shard`` (``dp_shard x cp`` under context parallelism),
+      or 2-D ``(dp_replicate, dp_shard)`` for HSDP (also when only ``dp_replicate > 1``:
+      shard size 1 = pure replication);
     - under EP, each block's ``<experts_attr>`` (e.g. ``"moe.experts"``, already a
       DTensor on the ``ep`` mesh) is its own unit on the ``expert_fsdp`` mesh, sharded
       on dim 1 when ``expert_fsdp * ep > num_experts`` (dim 0 would leave ranks empty);
@@ -112,12 +113,12 @@ def apply_fsdp(
     - gradient divide factor 1 with sum-only reductions (the trainer divides the loss
       by the global token count).
 
-    A no-op when ``dp_shard == dp_replicate == 1``.
+    A no-op when ``dp_shard == dp_replicate == cp == 1``.
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
     from torch.distributed.tensor import Shard
 
-    if parallel_dims.dp_shard * parallel_dims.dp_replicate <= 1:
+    if parallel_dims.dp_shard * parallel_dims.dp_replicate * getattr(parallel_dims, "cp", 1) <= 1:
         return
     mesh = parallel_dims.mesh("fsdp")
     mp_policy = mixed_precision_policy(job_config)

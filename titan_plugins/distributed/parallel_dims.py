@@ -1,17 +1,24 @@
 """Parallel degrees and the named device meshes every parallelism needs.
 
-The world is laid out as ``pp x dp_replicate x dp_shard x tp`` (tp innermost, so
-tensor-parallel peers are neighbours). Expert parallelism borrows ranks: dp_shard
-is split into ``dp_shard_mod_ep x dp_shard_in_ep``; the ``ep`` mesh spans
-``dp_shard_in_ep`` (and ``tp`` too when ``etp == 1``).
+The world is laid out as ``pp x dp_replicate x dp_shard x cp x tp`` (tp innermost, so
+tensor-parallel peers are neighbours, then the context-parallel peers that hold the
+other chunks of the same rows). Expert parallelism borrows ranks: dp_shard is split
+into ``dp_shard_mod_ep x dp_shard_in_ep``; the ``ep`` mesh spans ``dp_shard_in_ep``
+(and ``tp`` too when ``etp == 1``). FSDP shards over ``dp_shard x cp``, as
+TorchTitan's ``dp_shard_cp`` mesh: cp peers hold the same parameters and each
+computes a part of their gradient.
 
 Named meshes (``parallel_dims.mesh(name)``):
 
     pp          pipeline stages
-    dp          every data-parallel rank (data loading, loss averaging)
-    dp_shard    FSDP's shard dimension for dense parameters
-    fsdp        the FSDP mesh for dense parameters: 1-D dp_shard, or 2-D
-                (dp_replicate, dp_shard) for HSDP
+    dp          every data-parallel rank (data loading: cp peers load the same rows)
+    dp_shard    dp_shard's ranks
+    cp          context parallel: the ranks sharing each row's sequence
+    dp_shard_cp dp_shard x cp (only with cp > 1)
+    dp_cp       dp x cp: every rank holding different tokens (the loss and its
+                token count sum over it; only with cp > 1)
+    fsdp        the FSDP mesh for dense parameters: 1-D dp_shard (dp_shard_cp with
+                cp > 1), or 2-D (dp_replicate, that) for HSDP
     tp          tensor / sequence parallel
     ep          expert parallel
     etp         expert tensor parallel (the tp mesh, when etp == tp)
@@ -39,6 +46,7 @@ class ParallelDims:
     ep: int
     etp: int
     world_size: int
+    cp: int = 1
     _meshes: dict = field(default_factory=dict, repr=False)
     world_mesh: object = field(default=None, repr=False)
 
@@ -50,11 +58,14 @@ class ParallelDims:
         if world_size is not None and (not isinstance(world_size, int) or world_size < 1):
             raise ConfigError(f"parallelism.world_size={world_size} must be a positive integer")
         dp_shard = cfg.dp_shard
+        cp = getattr(cfg, "cp", 1)  # a config composed before cp existed has none
         for key in ("dp_replicate", "tp", "pp", "ep", "etp"):
             value = getattr(cfg, key)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallelism.{key}={value} must be a positive integer")
-        others = cfg.dp_replicate * cfg.tp * cfg.pp
+        if not isinstance(cp, int) or cp < 1:
+            raise ConfigError(f"parallelism.cp={cp} must be a positive integer")
+        others = cfg.dp_replicate * cp * cfg.tp * cfg.pp
         if dp_shard == -1:
             if world_size is None:
                 raise ConfigError(
@@ -63,7 +74,7 @@ class ParallelDims:
                 )
             if world_size % others:
                 raise ConfigError(
-                    f"world size {world_size} is not divisible by dp_replicate*tp*pp={others}"
+                    f"world size {world_size} is not divisible by dp_replicate*cp*tp*pp={others}"
                 )
             dp_shard = world_size // others
         elif dp_shard < 1:
@@ -72,9 +83,9 @@ class ParallelDims:
         if world_size is not None and product != world_size:
             raise ConfigError(
                 f"parallelism degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x "
-                f"dp_shard={dp_shard} x tp={cfg.tp} x pp={cfg.pp}) but the world size is {world_size}"
+                f"dp_shard={dp_shard} x cp={cp} x tp={cfg.tp} x pp={cfg.pp}) but the world size is {world_size}"
             )
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep, cfg.etp, product)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep, cfg.etp, product, cp)
         dims.validate()
         return dims
 
@@ -111,23 +122,29 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         in_ep = self.dp_shard_in_ep
-        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.tp)
+        names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
+        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         self.world_mesh = mesh
         m = self._meshes
         m["pp"] = mesh["pp"]
         m["tp"] = mesh["tp"]
+        m["cp"] = mesh["cp"]
         m["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
         m["dp_shard"] = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
         m["expert_fsdp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_fsdp")
+        shard = "dp_shard"
+        if self.cp > 1:
+            shard = "dp_shard_cp"
+            m[shard] = mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten(shard)
+            m["dp_cp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_cp")
         if self.ep > 1:
             ep_dims = ("dp_shard_in_ep", "tp") if self.etp == 1 else ("dp_shard_in_ep",)
             m["ep"] = mesh[ep_dims]._flatten("ep")
         with warnings.catch_warnings():
             # Slicing a flattened dim from the root is what HSDP needs: a 2-D mesh.
             warnings.simplefilter("ignore", UserWarning)
-            m["fsdp"] = mesh["dp_replicate", "dp_shard"] if self.dp_replicate > 1 else m["dp_shard"]
+            m["fsdp"] = mesh["dp_replicate", shard] if self.dp_replicate > 1 else m[shard]
         m["etp"] = m["tp"] if self.etp > 1 else None
 
     def mesh(self, name: str):
@@ -142,7 +159,12 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard > 1
+        """FSDP shards parameters: over dp_shard x cp."""
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
 
     @property
     def hsdp_enabled(self) -> bool:
@@ -172,7 +194,7 @@ class ParallelDims:
         return self.mesh("dp").get_local_rank() if self.dp_size > 1 else 0
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")]
+        parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")]
         return f"world={self.world_size} " + " ".join(parts)
 
 

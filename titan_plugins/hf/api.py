@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["export_checkpoint", "export_model", "load_hf_model", "resolve_hf_config"]
 
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 
 @dataclass(frozen=True)

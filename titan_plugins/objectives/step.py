@@ -31,11 +31,15 @@ def _local(x: torch.Tensor) -> torch.Tensor:
 def global_count(run: JobView, batches: list[Any]) -> float | tuple[float, ...]:
     """The objective's count over ``batches`` summed over the data-parallel ranks; the
     same on every rank, so a 0 stops every rank together (one line)."""
+    from titan_plugins.distributed.context_parallel import context_parallel
+
     objective = run.objective
     total = sum(objective.count(batch[1]) for batch in batches).to(torch.float64)
-    if run.dp_group is not None:
+    cp = context_parallel(getattr(run, "dims", None))  # cp: over dp x cp, the ranks holding other tokens
+    group = run.dp_group if cp is None else cp.loss_group
+    if group is not None:
         total = total.to(run.device)
-        dist.all_reduce(total, group=run.dp_group)
+        dist.all_reduce(total, group=group)
     count: float | tuple[float, ...] = float(total.item()) if total.dim() == 0 else tuple(total.tolist())
     if primary(count) == 0:
         raise ConfigError(objective.empty_message(run.config))
@@ -56,10 +60,18 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
     """``(loss, sums, count)`` of ``batches`` on this rank: ``loss`` this rank's part of
     the global loss (summed in ``acc_dtype``; the caller all-reduces it), ``sums`` the
     objective's metric numerators summed over DP, ``count`` the global count.
-    ``train=True`` runs backward (and the pipeline schedule's ``step``; else ``eval``)."""
+    ``train=True`` runs backward (and the pipeline schedule's ``step``; else ``eval``).
+    Under context parallelism each rank keeps its chunks of every row (``loss`` and
+    ``sums`` come back summed over the cp peers)."""
     from titan_plugins.components.attention_masks import documents
+    from titan_plugins.components.cp_attention import sharded_sequence
+    from titan_plugins.data.batch import Batch
+    from titan_plugins.distributed.context_parallel import context_parallel
 
     objective = run.objective
+    cp, shard = context_parallel(getattr(run, "dims", None)), None
+    if cp is not None:  # parallelism.cp: positions, masks and the K/V exchange follow the shard
+        shard, batches = cp.shard_batches(batches, Batch)
     count = global_count(run, batches)
     model = run.model
     objective.set_scale(count)
@@ -68,7 +80,7 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
     for batch in batches:
         inputs, labels = batch[0].to(run.device), batch[1].to(run.device)
         doc_ids = getattr(batch, "doc_ids", None)
-        with documents(None if doc_ids is None else doc_ids.to(run.device)) as docs:
+        with documents(None if doc_ids is None else doc_ids.to(run.device)) as docs, sharded_sequence(shard):
             if model.pp:
                 _pipeline(run, inputs, labels, train, loss_sum)
             else:
@@ -91,7 +103,9 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
                 "ignored their document ids (they would attend to each other): set "
                 "model.attn_mask=block_causal where the model has it, or data.chat.pack=false"
             )
-    return loss_sum, _reduced(run, sums), count
+    if cp is not None:
+        cp.sum(loss_sum)
+    return loss_sum, _reduced(run, sums, cp), count
 
 
 def _pipeline(run: JobView, inputs: torch.Tensor, labels: torch.Tensor, train: bool,
@@ -111,11 +125,13 @@ def _pipeline(run: JobView, inputs: torch.Tensor, labels: torch.Tensor, train: b
         loss_sum += _local(mb_loss).to(loss_sum.dtype)
 
 
-def _reduced(run: JobView, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+def _reduced(run: JobView, sums: dict[str, torch.Tensor], cp: Any = None) -> dict[str, float]:
     if not sums:
         return {}
     keys = sorted(sums)
     flat = torch.stack([sums[k].to(run.device) for k in keys])
     if run.dp_group is not None:
         dist.all_reduce(flat, group=run.dp_group)
+    if cp is not None:
+        cp.sum(flat)
     return dict(zip(keys, flat.tolist()))

@@ -1,7 +1,9 @@
 """Activation memory per rank: an estimate from the parallelized blocks' shapes.
 
-Notation: ``T = b * s`` tokens per microbatch (``b = training.local_batch_size``,
-divided by the number of pipeline microbatches under PP; ``s = training.seq_len``),
+Notation: ``T = b * s / cp`` tokens per microbatch (``b = training.local_batch_size``,
+divided by the number of pipeline microbatches under PP; ``s = training.seq_len``;
+``cp`` the context-parallel degree, whose keys/values and mask are added as
+``plan/context_parallel.py`` says),
 ``c`` the bytes of the compute dtype (``precision.compute_dtype``, else
 ``precision.param_dtype``), ``t`` the TP degree when sequence parallelism is on
 (else 1). Shapes are the TP/EP-local shapes a rank computes with (FSDP sharding
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from titan_plugins.plan.context_parallel import kv_width, mask_bytes
 from titan_plugins.plan.sharding import model_parallel_shape
 
 if TYPE_CHECKING:
@@ -60,6 +63,7 @@ class ActivationEstimate:
     blocks: list[dict[str, Any]] = field(default_factory=list)  # per block: key, checkpointed, bytes
     recompute_bytes: int = 0
     logits_bytes: int = 0
+    cp_mask_bytes: int = 0  # context parallel: the boolean mask of one forward
     total_bytes: int = 0
     dtype: str = "float32"
 
@@ -175,7 +179,8 @@ def estimate_activations(
     pp = int(par.pp)
     n_mb = int(par.pp_microbatches or pp * int(par.pp_stages_per_rank)) if pp > 1 else 1
     b = max(int(training.local_batch_size) // n_mb, 1)
-    tokens = b * int(training.seq_len)
+    cp = int(getattr(dims, "cp", 1))
+    tokens = b * int(training.seq_len) // cp
     sp = dims.tp if (dims.tp > 1 and bool(par.sequence_parallel)) else 1
     m = in_flight_microbatches(job, pp_rank)
     est = ActivationEstimate(tokens, b, m, dtype=str(dtype).removeprefix("torch."))
@@ -185,6 +190,8 @@ def estimate_activations(
         dim = _hidden_dim(part)
         for key, block in getattr(part, layers_attr).items():
             full, inp = block_activation_elems(block, tokens, sp, dim)
+            if cp > 1:  # the whole row's keys and values, gathered for SDPA
+                full += b * int(training.seq_len) * kv_width(block, str(job.model.get("name", "?")))
             ckpt = _is_checkpointed(block)
             kept = inp if ckpt else full
             est.blocks.append({"layer": int(key), "checkpointed": ckpt, "bytes": kept * c})
@@ -199,5 +206,6 @@ def estimate_activations(
                     vocab = module.weight.shape[0]
                 est.logits_bytes = max(est.logits_bytes, tokens * vocab * (c + 4))
     est.recompute_bytes = worst_full
-    est.total_bytes = int(per_microbatch * m) + worst_full + est.logits_bytes
+    est.cp_mask_bytes = mask_bytes(job, b, cp) if cp > 1 else 0
+    est.total_bytes = int(per_microbatch * m) + worst_full + est.logits_bytes + est.cp_mask_bytes
     return est

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RankParts", "build_rank_parts", "coordinates"]
 
-_COORD_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "tp")
+_COORD_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
 
 
 @dataclass

@@ -24,6 +24,11 @@ Per-step passes: ``n_mb`` pipeline microbatches (1 without PP) times
   rows in forward, the same two in backward (``T_r`` the tokens the rank routes).
 - PP, per stage boundary and microbatch: the ``T x d`` activation sent forward and
   its gradient sent back (send/recv pairs on the ``pp`` mesh).
+- CP, per attention block and pass: the whole row's keys and values all-gathered on
+  the ``cp`` mesh (``b x s x (k + v)``; the two gathers of a block counted as one call
+  of their summed size), again in a checkpointed block's recompute, and their
+  gradients reduce-scattered in backward (``plan/context_parallel.py``). ``T`` above
+  is then this rank's ``b x s / cp`` tokens.
 
 Scalar all-reduces (loss, gradient norm) and the all-to-all of per-expert counts
 are left out: a few bytes each.
@@ -37,7 +42,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titan_plugins.plan.activations import _hidden_dim, _moe_prefixes, _top_k
+from titan_plugins.plan.activations import _hidden_dim, _is_checkpointed, _moe_prefixes, _top_k
+from titan_plugins.plan.context_parallel import kv_width
 from titan_plugins.plan.sharding import FsdpUnit, dtype_name
 
 if TYPE_CHECKING:
@@ -92,7 +98,8 @@ def collectives_per_step(
     passes = n_mb * accum
     syncs = accum if pp == 1 else 1
     b = max(int(training.local_batch_size) // n_mb, 1)
-    tokens = b * int(training.seq_len)
+    cp = int(getattr(dims, "cp", 1))
+    tokens = b * int(training.seq_len) // cp
     compute = precision.compute_dtype if precision.compute_dtype is not None else precision.param_dtype
     act_dtype = to_torch_dtype(compute)
     c = act_dtype.itemsize
@@ -157,6 +164,14 @@ def collectives_per_step(
             if moe_blocks:
                 out.append(Collective("all_to_all", "ep", dims.ep, f"ep dispatch+combine, {moe_blocks} MoE blocks "
                                       f"(stage {stage})", dt, rows * dim * c, 4 * moe_blocks * passes))
+        if cp > 1:
+            for key, block in blocks.items():
+                row = b * int(training.seq_len) * kv_width(block, str(job.model.get("name", "?"))) * c
+                again = 2 if _is_checkpointed(block) else 1
+                out.append(Collective("all_gather", "cp", cp, f"cp keys+values (stage {stage})", dt, row,
+                                      again * passes, f"{layers_attr}.{key}"))
+                out.append(Collective("reduce_scatter", "cp", cp, f"cp keys+values grads (stage {stage})", dt,
+                                      row, passes, f"{layers_attr}.{key}"))
         if pp > 1:
             sends = (stage != num_stages - 1) + (stage != 0)
             if sends:

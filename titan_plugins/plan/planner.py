@@ -137,7 +137,7 @@ def make_plan(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> Plan:
         model=spec.name,
         flavor=str(job.model.get("flavor", spec.default_flavor)),
         world_size=dims.world_size,
-        degrees={k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")},
+        degrees={k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")},
         meshes={},
         precision={k: _plain(job.precision[k]) for k in ("weight_dtype", "param_dtype", "reduce_dtype", "compute_dtype")},
         training={

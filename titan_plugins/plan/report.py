@@ -66,7 +66,8 @@ def render_text(plan: Plan) -> str:
         ckpt = sum(b["checkpointed"] for b in a.blocks)
         lines.append(f"    (activations: {len(a.blocks)} blocks, {ckpt} checkpointed, microbatch "
                      f"{a.microbatch_size} x {a.tokens_per_microbatch // max(a.microbatch_size, 1)} tokens, "
-                     f"{a.in_flight:g} in flight, logits {human_bytes(a.logits_bytes)})")
+                     f"{a.in_flight:g} in flight, logits {human_bytes(a.logits_bytes)}"
+                     + (f", cp mask {human_bytes(a.cp_mask_bytes)}" if a.cp_mask_bytes else "") + ")")
         lines.append("    peak".ljust(22) + human_bytes(r.peak_bytes).rjust(14 * (len(dtypes) + 1)))
         lines.append("  collectives per step".ljust(58) + "calls".rjust(7) + "max bytes".rjust(13)
                      + "bytes/step".rjust(13))
@@ -94,6 +95,7 @@ def _rank_dict(r: RankPlan) -> dict[str, Any]:
                 "in_flight_microbatches": r.activations.in_flight,
                 "recompute": r.activations.recompute_bytes,
                 "logits": r.activations.logits_bytes,
+                "cp_mask": r.activations.cp_mask_bytes,
                 "blocks": r.activations.blocks,
             },
             "peak": r.peak_bytes,

@@ -26,7 +26,7 @@ __all__ = [
 
 # Mesh dims that shard or replicate over data parallelism (FSDP, HSDP, expert FSDP).
 DP_MESH_DIMS = frozenset({"dp", "dp_replicate", "dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep",
-                          "expert_fsdp", "fsdp"})
+                          "expert_fsdp", "fsdp", "cp", "dp_shard_cp", "dp_cp"})
 
 
 def dtype_name(dtype: torch.dtype) -> str:

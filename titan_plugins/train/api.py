@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RunResult", "job_world_size", "prepare_job", "read_result", "run", "validate_job", "write_config"]
 
-_DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")
+_DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")
 
 
 # ------------------------------------------------------------------ validation
@@ -64,7 +64,7 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     dims = ParallelDims.from_config(par, job_world_size(job))
     caps = spec.capabilities
     for flag, enabled, key in (("fsdp", dims.dp_shard > 1, "dp_shard"), ("tp", dims.tp > 1, "tp"),
-                               ("ep", dims.ep > 1, "ep"), ("pp", dims.pp > 1, "pp")):
+                               ("ep", dims.ep > 1, "ep"), ("pp", dims.pp > 1, "pp"), ("cp", dims.cp > 1, "cp")):
         if enabled and not getattr(caps, flag):
             raise ConfigError(f"model {spec.name!r} does not support parallelism.{key}={getattr(dims, key)}")
     if dims.pp > 1 and spec.pipeline is None:
@@ -74,6 +74,9 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     check_ranges(job)  # every numeric option's range, declared once in config/schema.py
     config = model_config(job.model, spec)
     check_job(job, config, pm.datasets())  # seq_len vs the model, the data source, model.hf, sinks
+    from titan_plugins.distributed.context_parallel import check_context_parallel
+
+    check_context_parallel(job, spec.name, config, dims)  # seq_len into 2*cp chunks, what is not done yet
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)

@@ -229,7 +229,7 @@ def _schedule_text(training: Any) -> str:
 
 
 def _meshes_text(dims: ParallelDims) -> str:
-    degrees = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "tp", "pp", "ep", "etp")}
+    degrees = {k: getattr(dims, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "etp")}
     used = [f"{k}={v}" for k, v in degrees.items() if v > 1]
     return " x ".join(used) if used else "single rank (no parallelism)"
 

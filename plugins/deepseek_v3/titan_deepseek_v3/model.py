@@ -18,6 +18,7 @@ from torch import nn
 from titan_deepseek_v3.config import DeepSeekV3Config
 from titan_plugins.components.attention import attend
 from titan_plugins.components.compute_dtype import ComputeDtypeMixin, cast
+from titan_plugins.components.cp_attention import rope_rows
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.init import (
     depth_scaled_std,
@@ -205,7 +206,8 @@ class DeepSeekV3Model(ComputeDtypeMixin, nn.Module):
         """``cache``: a ``titan_plugins.generate.KVCache`` (single stage, decoding only)."""
         dt = self.compute_dtype
         h = cast(self.tok_embeddings(tokens), dt) if self.tok_embeddings is not None else cast(tokens, dt)
-        freqs_cis = self.freqs_cis if cache is None else self.freqs_cis[cache.pos :]
+        # context parallel: rope_rows gives the rows of this rank's global positions
+        freqs_cis = rope_rows(self.freqs_cis) if cache is None else self.freqs_cis[cache.pos :]
         for name, layer in self.layers.items():
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache.layer(name))
         if self.norm is not None:

@@ -23,6 +23,7 @@ from torch import nn
 from titan_llama4.config import AttentionMask, Llama4Config
 from titan_plugins.components.attention import attend, use_flex
 from titan_plugins.components.attention_masks import block_mask, dense_mask
+from titan_plugins.components.cp_attention import current_shard, global_seq_len, token_positions
 from titan_plugins.components.decoder import Decoder, DecoderBlock
 from titan_plugins.components.feed_forward import FeedForward
 from titan_plugins.components.gqa import GQAttention
@@ -35,8 +36,9 @@ __all__ = ["Llama4", "build", "precompute_freqs_cis"]
 
 # --------------------------------------------------------------- attention
 @functools.lru_cache(maxsize=16)
-def _document_free_mask(seq_len: int, chunk: int, device: torch.device, flex: bool):
-    """Chunked-causal mask without documents: the same for every batch, cached."""
+def _document_free_mask(seq_len: int, chunk: int, device: torch.device, flex: bool, shard=None):
+    """Chunked-causal mask without documents: the same for every batch, cached (per
+    context-parallel ``shard`` too: its queries are that rank's positions)."""
     return (block_mask if flex else dense_mask)(None, seq_len, chunk, device)
 
 
@@ -79,25 +81,26 @@ class InnerAttention(nn.Module):
             q = self._tune_temperature(q, cache.parent.pos if cache is not None else 0)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         gqa = q.shape[1] != k.shape[1]
-        seq = q.shape[2]
+        seq = q.shape[2]  # (the whole row's length under context parallelism, below)
         if cache is not None:  # decoding: the cached positions too, chunked mask by position
             k, v = cache.update(k, v)
             mask = cache.attention_mask(seq, q.device, self.chunk_size)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
             return out.transpose(1, 2)
+        seq = global_seq_len(seq)
         chunk = self.chunk_size if self.chunk_size is not None and self.chunk_size < seq else None
         if chunk is None and doc is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa).transpose(1, 2)
+            return attend(q, k, v, None, enable_gqa=gqa).transpose(1, 2)  # SDPA's is_causal
         flex = use_flex(self.backend, q.device)
         if doc is None:
-            mask = _document_free_mask(seq, chunk, q.device, flex)
+            mask = _document_free_mask(seq, chunk, q.device, flex, current_shard())
         else:
             mask = (block_mask if flex else dense_mask)(doc, seq, chunk, q.device)
         return attend(q, k, v, mask, enable_gqa=gqa).transpose(1, 2)
 
     def _tune_temperature(self, q: torch.Tensor, start: int) -> torch.Tensor:
         floor_scale, attn_scale = self.temperature
-        positions = torch.arange(start, start + q.shape[1], device=q.device, dtype=torch.float32)
+        positions = token_positions(q.shape[1], q.device).to(torch.float32) + start
         scales = torch.log1p(torch.floor((positions + 1.0) / floor_scale)) * attn_scale + 1.0
         return (q * scales.view(1, -1, 1, 1)).to(q.dtype)
 

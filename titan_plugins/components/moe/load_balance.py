@@ -37,13 +37,16 @@ def update_expert_bias(moes: list[MoE], groups: list[dist.ProcessGroup]) -> None
 
 
 def _count_groups(moe: MoE, parallel_dims) -> list[dist.ProcessGroup]:
-    """Groups over which a layer's counts differ: the data-parallel ranks, plus the
+    """Groups over which a layer's counts differ: the data-parallel ranks, the
+    context-parallel peers (each routes its part of the rows), plus the
     tensor-parallel peers when each of them routes its own sequence shard."""
     groups = []
     if parallel_dims is None or not dist.is_initialized():
         return groups
     if parallel_dims.dp_size > 1:
         groups.append(parallel_dims.mesh("dp").get_group())
+    if getattr(parallel_dims, "cp", 1) > 1:
+        groups.append(parallel_dims.mesh("cp").get_group())
     if getattr(moe.parallel, "routes_sequence_shards", False):
         groups.append(parallel_dims.mesh("tp").get_group())
     return groups

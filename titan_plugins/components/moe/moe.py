@@ -114,9 +114,13 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:
             return self.parallel(self, x)
+        from titan_plugins.components.cp_attention import current_shard
+
         bs, slen, dim = x.shape
         flat = x.reshape(-1, dim)
-        return self.forward_tokens(flat, bs, self.local_weights()).view(bs, slen, dim)
+        shard = current_shard()  # context parallel: the peers holding the rest of these rows
+        group = None if shard is None else shard.group
+        return self.forward_tokens(flat, bs, self.local_weights(), token_group=group).view(bs, slen, dim)
 
     def local_weights(
         self, unwrap: Callable[[torch.Tensor], torch.Tensor] | None = None
