@@ -183,8 +183,8 @@ def folder_tokens(job: DictConfig, hf_config: JSONDict, vocab_size: int | None) 
                 setattr(tokens, attr, int(name))
                 tokens.names[f"{attr}_token"] = tok.tok.id_to_token(int(name))
     if source is not None:
-        for attr in ("bos", "eos", "pad"):
-            if source.get(f"{attr}_token_id") is not None:
+        for attr in ("bos", "eos", "pad"):  # what the folder states wins, null included
+            if f"{attr}_token_id" in source:
                 setattr(tokens, attr, source[f"{attr}_token_id"])
     elif tokens.eos is None and hf_config.get("eos_token_id") is not None:
         tokens.eos = hf_config["eos_token_id"]
@@ -235,9 +235,14 @@ def write_hf_folder(folder: Path, spec: ModelSpec, config: object, job: DictConf
     hf_config = export_config(spec, config, job)
     hf_sd = make_adapter(spec, config).to_hf(state_dict)
     tokens = folder_tokens(job, hf_config, getattr(config, "vocab_size", None))
+    ids = tokens.config_fields()
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):  # the ids of folder_tokens only
-        hf_config.pop(key, None)
-    hf_config.update(tokens.config_fields())
+        if key in ids:
+            hf_config[key] = ids[key]
+        elif hf_config.get(key, 0) is not None:  # none, or one outside the vocabulary: left out
+            hf_config.pop(key, None)
+        # stated as null (config.json's "pad_token_id": null): written as null, not dropped; else
+        # transformers falls back to the class's default id, which may lie outside the vocabulary
     dtypes = {t.dtype for t in hf_sd.values() if t.is_floating_point()}
     if len(dtypes) == 1:  # the weights as trained (precision.weight_dtype)
         hf_config["dtype"] = str(dtypes.pop()).removeprefix("torch.")

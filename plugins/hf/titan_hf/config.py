@@ -63,6 +63,7 @@ class HFModelConfig:
 _TYPED = (("vocab_size", "vocab_size"), ("dim", "hidden_size"), ("n_layers", "num_hidden_layers"),
           ("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
           ("enable_weight_tying", "tie_word_embeddings"), ("max_seq_len", "max_position_embeddings"))
+_OURS = {theirs: ours for ours, theirs in _TYPED}
 _OPTIONAL = ("tie_word_embeddings", "max_position_embeddings")  # absent: the architecture's default
 # config.json fields that describe the file, not the model (rewritten on export)
 _BOOKKEEPING = ("architectures", "transformers_version", "_name_or_path", "dtype", "torch_dtype")
@@ -111,7 +112,9 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
             raise _bad(theirs, value, "must be an integer")
         out[ours] = value
     typed = {*dict(_TYPED).values(), *(aliases.get(theirs) for _, theirs in _TYPED if theirs not in hf)}
-    out["hf_config"] = {k: copy.deepcopy(v) for k, v in hf.items() if k not in _BOOKKEEPING and k not in typed}
+    # a typed field stated as null (max_position_embeddings: null) stays null: not the class's default
+    out["hf_config"] = {k: copy.deepcopy(v) for k, v in hf.items() if k not in _BOOKKEEPING
+                        and (k not in typed or (v is None and out.get(_OURS.get(k, "")) is None))}
     out["hf_config"]["_typed_as"] = {theirs: aliases[theirs] for _, theirs in _TYPED
                                      if theirs not in hf and aliases.get(theirs) in hf}
     if not out["hf_config"]["_typed_as"]:
