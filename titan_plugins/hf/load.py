@@ -86,6 +86,8 @@ class HFCheckpoint:
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         sl = self._slice(key)
+        if not sl.get_shape():  # a 0-dim tensor (a learned scalar): nothing to slice
+            return self._files[self.weight_map[key]].get_tensor(key)
         return sl[index] if index else sl[:]
 
 

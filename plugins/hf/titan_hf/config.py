@@ -101,7 +101,7 @@ def config_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     for ours, theirs in _TYPED:
         value = hf.get(theirs, hf.get(aliases.get(theirs, theirs)))  # GPT-2's n_embd is hidden_size
         if value is None and theirs == "num_key_value_heads":
-            value = hf.get("num_attention_heads")  # transformers' default: multi-head attention
+            value = out.get("n_heads")  # transformers' default: multi-head attention (n_head, ... included)
         if value is None and theirs == "tie_word_embeddings":
             value = _architecture_default(hf["model_type"], theirs)
         if value is None and theirs in _OPTIONAL:

@@ -23,7 +23,7 @@ from torch import nn
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["post_head"]
+__all__ = ["post_head", "pre_head"]
 
 
 def _calls_head(node: ast.AST, head: str) -> bool:
@@ -87,3 +87,48 @@ def post_head(shell: nn.Module, head: str) -> Callable[[Any], Any] | None:
     exec(compile(module, f"<{cls.__name__}.forward after self.{head}>", "exec"), namespace)  # noqa: S102
     compiled = namespace["_post_head"]
     return lambda logits: compiled(shell, logits)
+
+
+def _plain(node: ast.AST) -> bool:
+    """A name, an attribute / subscript of one, or a dtype cast of those (``.to(...)``: the
+    precision policy's business): taking the hidden states, not work on them."""
+    while isinstance(node, (ast.Attribute, ast.Subscript)) or (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "to"):
+        node = node.func.value if isinstance(node, ast.Call) else node.value
+    return isinstance(node, ast.Name)
+
+
+def pre_head(shell: nn.Module, head: str) -> Callable[[Any], Any] | None:
+    """``fn(h) -> h`` doing what ``type(shell).forward`` does to the base model's hidden
+    states before ``self.<head>(...)`` (MiniCPM3 divides them by ``logits_scaling``; some
+    cast them to the head's dtype), or ``None`` when it does nothing to them. The fused
+    loss keeps it: the deferred head takes what the wrapper hands it."""
+    cls = type(shell)
+    module = inspect.getmodule(cls)
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return None
+    start = next((i for i, s in enumerate(body) if _calls_head(s, head)), None)
+    if start is None:
+        return None
+    allowed = {"self", "hidden_states"} | set(vars(module)) | set(dir(builtins))
+    work: list[ast.stmt] = [s for s in body[:start] if isinstance(s, ast.Assign) and len(s.targets) == 1
+                            and isinstance(s.targets[0], ast.Name) and s.targets[0].id == "hidden_states"
+                            and not _plain(s.value) and "hidden_states" in _names_read([s])
+                            and _names_read([s]) <= allowed]
+    call = next(n for n in ast.walk(body[start]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
+                and n.func.attr == head)
+    arg = call.args[0] if call.args else None
+    if arg is not None and not _plain(arg) and _names_read([ast.Expr(arg)]) <= allowed:  # self.lm_head(h.to(...))
+        work.append(ast.Assign(targets=[ast.Name(id="hidden_states", ctx=ast.Store())], value=arg))
+    if not work:
+        return None
+    fn = ast.FunctionDef(name="_pre_head", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg("self"), ast.arg("hidden_states")], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[*work, ast.Return(ast.Name(id="hidden_states", ctx=ast.Load()))], decorator_list=[], type_params=[])
+    tree = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
+    namespace = dict(vars(module))
+    exec(compile(tree, f"<{cls.__name__}.forward before self.{head}>", "exec"), namespace)  # noqa: S102
+    compiled = namespace["_pre_head"]
+    return lambda h: compiled(shell, h)

@@ -24,7 +24,8 @@ from torch import nn
 from titan_hf.architecture import attn_implementation, check_architecture
 from titan_hf.config import AttnImpl, HFModelConfig, hf_dict
 from titan_hf.embed import embed_work
-from titan_hf.head import post_head
+from titan_hf.head import post_head, pre_head
+from titan_hf.layer_call import check_layer_call, makes_sliding_masks
 from titan_hf.structure import find_structure
 from titan_plugins.errors import ConfigError
 
@@ -36,9 +37,9 @@ _MASKS = ("full_attention", "sliding_attention")
 def hf_config_object(config: HFModelConfig) -> Any:
     """transformers' config object for ``config`` (attention kernel resolved:
     :func:`titan_hf.architecture.attn_implementation`)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PreTrainedConfig
 
-    values = hf_dict(config)
+    values = PreTrainedConfig._decode_special_floats(hf_dict(config))  # config.json's {"__float__": "Infinity"}
     cls = check_architecture(values)
     model_type = values.pop("model_type")
     hf = AutoConfig.for_model(model_type, **values)
@@ -80,11 +81,15 @@ class HFCausalLM(nn.Module):
         # and no_split_modules only.
         object.__setattr__(self, "_shell", shell)
         self.layer_kinds = layer_kinds(hf)
+        if not makes_sliding_masks(shell.get_submodule(parts.base)):  # sliding_window set, never used (Youtu)
+            self.layer_kinds = ["full_attention"] * len(self.layer_kinds)
         self._rope_per_kind = "layer_type" in inspect.signature(self.rotary_emb.forward).parameters
         # What the class's forward does to the logits after its head (scale, soft-cap),
         # transformers' own statements; the fused loss would skip it: whole logits then.
         self.post_head = post_head(shell, parts.head) if "." not in parts.head else _nested_head(shell, parts.head)
         self.titan_fused_loss = self.post_head is None
+        self.pre_head = pre_head(shell, parts.head)  # ... and before it (MiniCPM3's logits_scaling)
+        check_layer_call(shell.get_submodule(parts.base))  # layers taking more than masks, positions, rotary: one line
         # ... and what its base model's forward does to the embeddings before the layers
         self.embed_work = embed_work(shell.get_submodule(parts.base))
         self.seq_shards = 1  # > 1 under sequence parallelism: hidden states hold 1/seq_shards of the sequence
@@ -157,7 +162,7 @@ class HFCausalLM(nn.Module):
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
-            h = self.output(h)
+            h = self.output(h if self.pre_head is None else self.pre_head(h))
             if self.post_head is not None:
                 h = self.post_head(h)
         return h

@@ -42,15 +42,24 @@ def _has_weights(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _weightless_norm(base: nn.Module, name: str, accounted: set[int]) -> bool:
+    child = getattr(base, name)
+    return (id(child) not in accounted and not _has_weights(child) and not any(True for _ in child.buffers())
+            and not isinstance(child, (nn.Dropout, nn.ModuleList, nn.ModuleDict, nn.Identity)))
+
+
 def find_structure(shell: nn.Module) -> Structure:
     """The parts of ``shell`` (an ``AutoModelForCausalLM``, meta is fine)."""
     arch = type(shell).__name__
     prefix = getattr(shell, "base_model_prefix", "")
     base = getattr(shell, prefix, None) if prefix else None
+    embeddings, head = shell.get_input_embeddings(), shell.get_output_embeddings()
+    if not isinstance(base, nn.Module):  # a prefix naming no child (Llama 4 text): the child holding the embeddings
+        holders = [(n, c) for n, c in shell.named_children() if any(m is embeddings for m in c.modules())]
+        prefix, base = holders[0] if len(holders) == 1 else (prefix, None)
     if not isinstance(base, nn.Module):
         raise ConfigError(f"model=hf: {arch} has no base model under base_model_prefix={prefix!r}")
     paths = {id(m): n for n, m in shell.named_modules()}
-    embeddings, head = shell.get_input_embeddings(), shell.get_output_embeddings()
     if head is None or id(head) not in paths:
         raise ConfigError(f"model=hf: {arch} declares no output embeddings (get_output_embeddings): not a language-model head")
     blocks = set(getattr(shell, "_no_split_modules", None) or ())
@@ -71,6 +80,8 @@ def find_structure(shell: nn.Module) -> Structure:
             raise ConfigError(f"model=hf: {arch}'s base model holds weights outside its embeddings and layers "
                               f"({', '.join(norms)}) and declares no pipeline plan saying which is the final norm: "
                               "its forward cannot be driven layer by layer")
+    if not norms:  # a final norm without weights (OLMo's LayerNorm, NanoChat's RMSNorm): the one left over
+        norms = [n for n in (after or [n for n, _ in base.named_children()]) if _weightless_norm(base, n, accounted)]
     if len(norms) != 1:
         raise ConfigError(f"model=hf: {arch}'s final norm is not declared (base_model_pp_plan after "
                           f"{layers!r}: {after or 'nothing'}); model=hf needs exactly one")

@@ -1,0 +1,96 @@
+"""The compatibility matrix (``titan-hf-matrix``, issue 46.6): a sample of
+``model_type``s equal to transformers on one rank (``make test``), the table and its
+summary from the command, and the whole matrix (``make test-all``): every type equal,
+refused in one line, or stopped by ``model.verify``; none trains silently wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from titan_hf.matrix import main  # noqa: E402
+from titan_hf.matrix_runs import EQUAL_LOSS, one_rank  # noqa: E402
+
+# per-expert checkpoint layout (OLMoE), logit_scale after the head (Cohere), soft-capping
+# and sliding + full layers (Gemma 2), a plain dense model (Qwen2)
+SAMPLE = ["qwen2", "olmoe", "cohere", "gemma2"]
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_sample_equals_transformers(tmp_path, model_type):
+    row = one_rank(model_type, tmp_path)
+    assert row["status"] == "equal", row
+    assert row["builds"] is True and row["diff"] <= EQUAL_LOSS, row
+
+
+@pytest.mark.parametrize("model_type, want", [
+    ("minicpm3", "equal"),  # work on the hidden states before the head (logits_scaling)
+    ("olmo", "equal"),  # a final norm without weights
+    ("youtu", "equal"),  # sliding_window in its config, full masks in its forward
+    ("beam", "refused: build: model=hf: BeamModel.forward hands its decoder layers attention_scaling"),
+])
+def test_what_the_forward_does_is_found(tmp_path, model_type, want):
+    row = one_rank(model_type, tmp_path)
+    assert f"{row['status']}: {row['reason']}".startswith(want), row
+
+
+def test_tiny_folder_sets_the_scales_it_finds(tmp_path):
+    """Scales left at 1.0 / None get values that change the loss; dropout is off; the
+    per-expert layout is what the folder holds on disk."""
+    from safetensors import safe_open
+    from titan_hf.matrix_folders import tiny_folder
+
+    granite = json.loads((tiny_folder("granite", tmp_path / "granite") / "config.json").read_text())
+    assert granite["embedding_multiplier"] != 1.0 and granite["logits_scaling"] != 1.0
+    assert granite["num_hidden_layers"] == 2 and granite["vocab_size"] == 256
+    gemma = json.loads((tiny_folder("gemma2", tmp_path / "gemma2") / "config.json").read_text())
+    assert gemma["final_logit_softcapping"] == 5.0 and gemma["attention_dropout"] == 0.0
+    assert sorted(set(gemma["layer_types"])) == ["full_attention", "sliding_attention"]
+    with safe_open(tiny_folder("olmoe", tmp_path / "olmoe") / "model.safetensors", "pt") as f:
+        assert any(".experts.3." in k for k in f.keys())  # noqa: SIM118 - safe_open has no __iter__
+
+
+def test_command_writes_the_table(tmp_path, capsys):
+    out = tmp_path / "matrix.md"
+    assert main(["--types", "qwen2,t5", "--out", str(out), "--work", str(tmp_path / "work"),
+                 "--json", str(tmp_path / "rows.json")]) == 0
+    text = out.read_text()
+    assert "transformers 5." in text and "    titan-hf-matrix --types qwen2,t5 --out " in text and "--json" not in text
+    assert "| qwen2 | Qwen2ForCausalLM | yes | equal |" in text
+    assert "| t5 |  |  | refused: config.json: model_type='t5': " in text
+    assert "2 types: 1 equal, 1 refused, 0 differ" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["t5"]["status"] == "refused" and "\n" not in rows["t5"]["reason"]
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_whole_matrix_nothing_silently_wrong(tmp_path):
+    """Every causal-LM type of the installed transformers: equal, refused in one line,
+    or (differing) stopped by model.verify before launch."""
+    assert main(["--out", str(tmp_path / "matrix.md"), "--work", str(tmp_path / "work"), "--jobs", "2",
+                 "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    silent = [f"{t}: {r['reason']}" for t, r in rows.items() if r["status"] == "differ" and not r["verify_stops"]]
+    assert not silent, silent
+    assert all("\n" not in r["reason"] for r in rows.values())
+    equal = [t for t, r in rows.items() if r["status"] == "equal"]
+    assert len(equal) >= 80, len(equal)  # 85 with transformers 5.25 (docs/hf-matrix.md)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_layouts_column(tmp_path):
+    """``--layouts``: OLMoE (per-expert folder) on fsdp2 and expert parallelism equals one
+    rank through titan-run; a layout validate refuses is its one line."""
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.matrix_runs import layout_runs
+
+    folder = tiny_folder("olmoe", tmp_path / "olmoe")
+    cells = layout_runs("olmoe", folder, ["fsdp2", "ep"], tmp_path / "runs")
+    assert cells["fsdp2"].startswith("equal") and cells["ep"].startswith("equal"), cells
+    llama = layout_runs("llama", tiny_folder("llama", tmp_path / "llama"), ["ep"], tmp_path / "llama_runs")
+    assert llama == {"ep": "refused: parallelism.ep=2: LlamaForCausalLM has no experts"}, llama
