@@ -1,14 +1,15 @@
 """objective=grpo equals TRL 1.16's GRPOTrainer on the same prompts, the same completions
 and the same rewards, fp32: the loss and every metric TRL logs, for each loss_type,
 scale_rewards and importance_sampling_level, with and without beta (the KL to a
-reference), with num_iterations 1 (the ratio exactly 1) and 2 (the old log-probs kept
+reference, with and without the ratio's bias correction), with num_iterations 1 (the ratio exactly 1) and 2 (the old log-probs kept
 while the policy moved).
 
 Both sides are fed the completions: ours through rollout=file and the real rollout stage
 (decode, rewards, advantages, rows), TRL's through its ``rollout_func``; then TRL's own
 ``_generate_and_score_completions`` and ``_compute_loss`` run on its trainer, ours
 ``GRPOObjective.loss`` on our model loaded from the same Hugging Face folder. The knobs
-that do not change what TRL builds at init are set on one trainer per beta."""
+that do not change what TRL builds at init are set on one trainer per beta; two more cases
+turn TRL's ``use_bias_correction_kl`` (on by default) off."""
 
 from __future__ import annotations
 
@@ -135,6 +136,7 @@ def _theirs(world, trainers, case):
     for key in ("loss_type", "scale_rewards", "importance_sampling_level", "num_iterations",
                 "mask_truncated_completions"):
         setattr(trainer, key, case[key])
+    trainer.args.use_bias_correction_kl = case.get("use_bias_correction_kl", True)
     trainer.epsilon_low, trainer.epsilon_high = 0.2, 0.28
     trainer.model.train()
     trainer._metrics["train"].clear()
@@ -175,6 +177,9 @@ CASES = [dict(loss_type=lt, scale_rewards=sr, importance_sampling_level=lvl, bet
               mask_truncated_completions=lt == "dapo" and it == 2)
          for lt in ("grpo", "dapo", "dr_grpo", "bnpo") for sr in ("group", "batch", "none")
          for lvl in ("token", "sequence") for beta in (0.0, 0.04) for it in (1, 2)]
+CASES += [dict(loss_type=lt, scale_rewards="group", importance_sampling_level=lvl, beta=0.04, num_iterations=2,
+               mask_truncated_completions=False, use_bias_correction_kl=False)
+          for lt, lvl in (("dapo", "token"), ("grpo", "sequence"))]  # TRL's use_bias_correction_kl off
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
