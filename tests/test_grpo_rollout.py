@@ -188,7 +188,9 @@ def test_the_stage_keeps_the_eos_masks_truncated_completions_and_reuses_a_genera
     for row, record in zip(labels, records):
         counted = (row != IGNORE_INDEX).sum().item()
         assert counted == (0 if record["truncated"] else record["length"])  # masked: trains nothing
+    assert objective.rollout_metrics["time/generation_s"] > 0
     assert objective.rollout(run, 2, [batch])[0] is out  # the same rows, the same old log-probs
+    assert objective.rollout_metrics["time/generation_s"] == 0.0  # nothing sampled this step
     assert objective.rollout(run, 3, [batch])[0] is not out  # a new generation batch
     assert len((tmp_path / "completions.jsonl").read_text().splitlines()) == 8
 

@@ -67,7 +67,8 @@ class RolloutStage:
         n_iter = self.objective.num_iterations
         start = (step - 1) // n_iter * n_iter + 1  # the first step of this generation batch's cycle
         if self.cycle is not None and self.cycle[0] == start and step != start:
-            return self.cycle[1], self.cycle[2]  # the same completions, the old log-probs kept
+            # the same completions, the old log-probs kept; nothing generated or scored this step
+            return self.cycle[1], {**self.cycle[2], "time/generation_s": 0.0, "time/scoring_s": 0.0}
         out, metrics = self.generate(run, step, batches)
         self.cycle = (start, out, metrics) if n_iter > 1 else None
         return out, metrics
