@@ -193,3 +193,40 @@ def test_verify_line_reaches_the_prepared_job(tmp_path):
     _, job, _ = prepare_job(["model=hf", f"model.hf={folder}", *SYNTH, "training.seq_len=32", "model.verify=false"],
                             get_plugin_manager())
     assert job.model.verified is None
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma2"])
+def test_packed_rows_equal_transformers_packed_path(tmp_path, model_type):
+    """Issue 46.7: documents packed in a row attend only to themselves, through
+    transformers' own packed-sequence path (per-document position_ids); step-1 loss
+    equal to transformers' on the same packed row, and not equal to the unmasked row."""
+    from titan_hf.model import document_positions
+
+    from titan_plugins.components.attention_masks import documents
+
+    folder = _folder(tmp_path, model_type, sliding_window=8)
+    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ours = load_hf_model("hf", folder, overrides=[*SYNTH, "model.attn_mask=block_causal"]).eval()
+    ids = torch.randint(3, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    doc_ids = torch.tensor([[0] * 7 + [1] * 10 + [2] * 7, [0] * 15 + [1] * 9])
+    positions = document_positions(doc_ids)
+    assert positions[0, 7].item() == 0 and positions[0, 16].item() == 9 and positions[1, 15].item() == 0
+
+    def loss(logits):
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten()).item()
+
+    with documents(doc_ids) as docs:
+        got = loss(ours(ids))
+    assert docs.used
+    want = loss(ref(ids, position_ids=positions, use_cache=False).logits)  # packed path: no cache
+    assert abs(got - want) <= 1e-5, (got, want)
+    assert abs(loss(ref(ids).logits) - want) > 1e-3  # the masks made a difference
+
+
+def test_block_causal_under_pp_is_refused_in_one_line(tmp_path):
+    from titan_plugins.train.api import prepare_job
+
+    folder = _folder(tmp_path, "qwen2")
+    with pytest.raises(ConfigError, match="block_causal with parallelism.pp=2"):
+        prepare_job(["model=hf", f"model.hf={folder}", *SYNTH, "model.attn_mask=block_causal",
+                     "parallelism.pp=2", "parallelism.world_size=2", "model.verify=false"], get_plugin_manager())

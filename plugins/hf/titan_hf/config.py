@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from titan_plugins.components.attention_masks import AttentionMask
 from titan_plugins.errors import ConfigError
 
 __all__ = ["FLAVORS", "TESTED", "AttnImpl", "HFModelConfig", "config_from_hf", "config_to_hf", "hf_dict"]
@@ -56,6 +57,9 @@ class HFModelConfig:
     enable_weight_tying: bool = False  # tie_word_embeddings
     max_seq_len: int | None = None  # max_position_embeddings (the core checks training.seq_len against it)
     attn_implementation: AttnImpl = AttnImpl.auto
+    # block_causal: packed rows keep each document to itself, through transformers' own
+    # packed-sequence path (per-document position_ids); data.chat.pack sets it
+    attn_mask: AttentionMask = AttentionMask.causal
     hf_config: dict[str, Any] = field(default_factory=dict)  # the rest of config.json, as is
 
 

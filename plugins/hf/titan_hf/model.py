@@ -27,6 +27,7 @@ from titan_hf.embed import embed_work
 from titan_hf.head import post_head, pre_head
 from titan_hf.layer_call import check_layer_call, makes_sliding_masks
 from titan_hf.structure import find_structure
+from titan_plugins.components.attention_masks import AttentionMask, document_ids
 from titan_plugins.errors import ConfigError
 
 __all__ = ["HFCausalLM", "build", "flops", "hf_config_object"]
@@ -92,6 +93,11 @@ class HFCausalLM(nn.Module):
         check_layer_call(shell.get_submodule(parts.base))  # layers taking more than masks, positions, rotary: one line
         # ... and what its base model's forward does to the embeddings before the layers
         self.embed_work = embed_work(shell.get_submodule(parts.base))
+        # packed rows: positions restart per document, which transformers' mask builders
+        # turn into a block-causal mask (their packed-sequence path) and rotary follows
+        self.block_causal = AttentionMask(config.attn_mask) == AttentionMask.block_causal
+        eos = getattr(hf, "eos_token_id", None)
+        self.eos_id = eos[0] if isinstance(eos, list) else eos
         self.seq_shards = 1  # > 1 under sequence parallelism: hidden states hold 1/seq_shards of the sequence
 
     @property
@@ -151,6 +157,8 @@ class HFCausalLM(nn.Module):
         like = local.new_empty((batch, seq, 1))
         past = cache.pos if cache is not None else 0
         positions = torch.arange(past, past + seq, device=local.device).unsqueeze(0)
+        if self.block_causal and cache is None and self.tok_embeddings is not None:
+            positions = document_positions(document_ids(tokens, self.eos_id))
         hf_cache = self._hf_cache(cache)
         masks, rope = self._masks(like, positions, hf_cache), self._rope(like, positions)
         extra = {} if hf_cache is None else {"cache": hf_cache, "use_cache": True}
@@ -170,6 +178,14 @@ class HFCausalLM(nn.Module):
 
 def _nested_head(shell: nn.Module, path: str) -> None:
     raise ConfigError(f"model=hf: {type(shell).__name__}'s output embeddings sit at {path}, not on the model itself")
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions restarting at 0 where each document starts."""
+    index = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    return index - torch.where(starts, index, 0).cummax(dim=1).values
 
 
 def build(config: HFModelConfig) -> HFCausalLM:

@@ -92,6 +92,12 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
         if kind not in ("full_attention", "sliding_attention"):
             raise ConfigError(f"config.json: layer_types[{i}]={kind!r}: model=hf runs full and sliding attention only")
     n_layers = config.n_layers
+    if str(getattr(config.attn_mask, "value", config.attn_mask)) == "block_causal":
+        if parallel_dims.pp > 1:
+            raise ConfigError(f"model.attn_mask=block_causal with parallelism.pp={parallel_dims.pp}: model=hf finds "
+                              "documents from the token ids, which later pipeline stages do not see")
+        if not isinstance(hf.eos_token_id, int) and not (isinstance(hf.eos_token_id, list) and hf.eos_token_id):
+            raise ConfigError("model.attn_mask=block_causal: config.json has no eos_token_id to end documents at")
     if parallel_dims.ep > 1:
         _check_ep(config, hf, values, parallel_dims)
     if parallel_dims.tp > 1:
