@@ -14,7 +14,8 @@ are summed over cp too (``components.moe.load_balance``).
 Refused before launch, one line each (``check_context_parallel``): a row length that
 does not split into ``2 cp`` chunks, a model whose spec does not declare CP
 (``Capabilities.cp``), and the combinations not done yet: PP, EP, ``training.compile``,
-PEFT, an objective other than ``sft``, ``attn_backend=flex``.
+QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``,
+``attn_backend=flex``.
 """
 
 from __future__ import annotations
@@ -110,13 +111,12 @@ def check_context_parallel(job: DictConfig, model_name: str, model_config: Any, 
         (dims.pp > 1, f"parallelism.pp={dims.pp}"),
         (dims.ep > 1, f"parallelism.ep={dims.ep}"),
         (bool(job.training.get("compile")), "training.compile=true"),
-        (job.get("peft") is not None and _value(job.peft.get("method", "none")) not in ("none", "None"),
-         f"peft.method={_value(job.peft.get('method')) if job.get('peft') is not None else ''}"),
+        (job.get("peft") is not None and _value(job.peft.get("method", "none")) == "qlora", "peft.method=qlora"),
     ]
     for hit, what in not_yet:
         if hit:
             raise ConfigError(f"parallelism.cp={cp} with {what}: not done yet (context parallel runs with "
-                              "FSDP, HSDP and TP)")
+                              "FSDP, HSDP, TP and LoRA)")
     objective = job.get("objective")
     name = _value(objective.get("name", "sft")) if objective is not None else "sft"
     if name != "sft":
