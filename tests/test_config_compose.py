@@ -86,7 +86,7 @@ BAD = [
      "training.stesp=1: key 'stesp' is not in the schema of 'training'; did you mean 'steps'?"),
     (["model=toy", "training.bogus=1"], "training.bogus=1: key 'bogus' is not in the schema of 'training'"),
     (["model=toy", "nope=1"], "nope=1: key 'nope' is not in the job schema"),
-    (["model=toy", "parallelism=nope"], "parallelism=nope: no such preset (available: fsdp16_tp8_ep64_pp16, fsdp2, "),
+    (["model=toy", "parallelism=nope"], "parallelism=nope: no such preset (available: cp2, cp2_tp2, fsdp16_tp8_ep64_pp16, fsdp2, "),
     (["model=toy", "precision=fp33"], "precision=fp33: no such preset; did you mean 'fp32'? (available: "),
     (["model=tyo"], "model=tyo is not provided by any installed plugin; did you mean 'toy'? (installed: toy)"),
     (["model=toy", "model.flavor=big"], "model.flavor='big' is not a flavor of model 'toy' (choose from: debugmodel, wide)"),
