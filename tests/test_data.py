@@ -329,7 +329,7 @@ def test_plugin_module_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "11"  # builtin .. mix, chat, chat_sample, preference, preference_sample
+    assert out.stdout.strip() == "12"  # builtin .. mix, chat, chat_sample, preference, preference_sample, prompts
 
 
 def test_default_setup_is_fast():
