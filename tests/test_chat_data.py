@@ -273,8 +273,8 @@ def test_a_global_batch_without_a_trainable_token_is_one_error():
     from titan_plugins.data.loader import Batch
     from titan_plugins.train.trainer import Trainer
 
-    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(),
-                           job=SimpleNamespace(data=SimpleNamespace(name="chat")))
+    data = SimpleNamespace(data=SimpleNamespace(name="chat"))
+    fake = SimpleNamespace(dp_group=None, device=torch.device("cpu"), objective=SFTObjective(), job=data, config=data)
     x = torch.zeros(2, 8, dtype=torch.long)
     with pytest.raises(ConfigError, match="no trainable token"):
         Trainer.train_step(fake, [Batch(x, torch.full_like(x, IGNORE_INDEX))])
