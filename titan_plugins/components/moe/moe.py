@@ -114,13 +114,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel is not None:
             return self.parallel(self, x)
-        from titan_plugins.components.cp_attention import current_shard
-
         bs, slen, dim = x.shape
         flat = x.reshape(-1, dim)
-        shard = current_shard()  # context parallel: the peers holding the rest of these rows
-        group = None if shard is None else shard.group
-        return self.forward_tokens(flat, bs, self.local_weights(), token_group=group).view(bs, slen, dim)
+        return self.forward_tokens(flat, bs, self.local_weights()).view(bs, slen, dim)
 
     def local_weights(
         self, unwrap: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -146,7 +142,8 @@ class MoE(nn.Module):
 
         ``dispatcher`` moves rows to the ranks owning their experts and back.
         ``token_group``: the group whose ranks hold the other parts of these
-        sequences (for the sequence-wise aux loss). ``partial_grad_sync`` (tensor-
+        sequences (for the sequence-wise aux loss); None: the context-parallel peers
+        under ``parallelism.cp``, else none. ``partial_grad_sync`` (tensor-
         parallel experts): identity whose backward sums gradients over the tp peers;
         applied to the experts' input and to the gating weights, whose gradients are
         partial sums there because the experts' outputs are; the experts get it too, for
@@ -204,6 +201,10 @@ class MoE(nn.Module):
         out = out.to(x.dtype)
 
         if self.seq_aux_loss_coeff > 0 and self.training and torch.is_grad_enabled():
+            if token_group is None:  # context parallel: the peers holding the rest of these rows
+                from titan_plugins.components.cp_attention import current_shard
+
+                token_group = getattr(current_shard(), "group", None)
             aux, scale = self._seq_aux_loss(scores, selected, batch_size, token_group)
             self.aux_loss = aux.detach()
             out = _AttachAuxLoss.apply(out, aux, scale)
