@@ -55,17 +55,24 @@ def test_plugin_importing_torch_fails_plugin_import(tmp_path, monkeypatch):
     assert "Fix: keep titan_kittorch.plugin" in message
 
 
+# The scaffold's apply_decoder_tp, spelled out with tok_embeddings parallelized even where
+# the stage does not own it (None on a later pipeline stage).
 _TOK_EMBEDDINGS_ALWAYS = """    from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = root_plan(sequence_parallel=sp, loss_parallel=lp)
+    sp = sequence_parallel
+    plan = tpp.root_plan(sequence_parallel=sp, loss_parallel=loss_parallel)
     parallelize_module(model, tp_mesh, {"tok_embeddings": plan.pop("tok_embeddings")})
-    apply_tp_plan(model, tp_mesh, plan)"""
+    tpp.apply_tp_plan(model, tp_mesh, plan)
+    for block in tpp.owned_blocks(model.layers):
+        tpp.apply_tp_plan(block, tp_mesh, _block_plan(block, sp))
+    tpp.apply_tp_plan(model, tp_mesh, tpp.stage_boundary_plan(model, sequence_parallel=sp))"""
 
 
 def test_tp_plan_touching_tok_embeddings_on_a_later_stage_fails_parallelize_pp(tmp_path, monkeypatch):
     target = _broken(
         tmp_path, monkeypatch, "kittp", "parallelize.py",
-        "    apply_tp_plan(model, tp_mesh, root_plan(sequence_parallel=sp, loss_parallel=lp))",
+        "    tpp.apply_decoder_tp(model, tp_mesh, _block_plan, sequence_parallel=sequence_parallel, "
+        "loss_parallel=loss_parallel)",
         _TOK_EMBEDDINGS_ALWAYS,
     )
     session = Session.open(target)  # both kinds in one fake-process-group subprocess
