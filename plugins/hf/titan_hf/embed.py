@@ -65,11 +65,6 @@ def embed_work(base: nn.Module) -> Callable[[Any], Any] | None:
         other = "hidden_states" if target == "inputs_embeds" else "inputs_embeds"
         lines += [statement, ast.Assign(targets=[ast.Name(id=other, ctx=ast.Store())],
                                         value=ast.Name(id=target, ctx=ast.Load()))]
-    fn = ast.FunctionDef(name="_embed_work", args=ast.arguments(
-        posonlyargs=[], args=[ast.arg("self"), ast.arg("h")], kwonlyargs=[], kw_defaults=[], defaults=[]),
-        body=[*lines, ast.Return(ast.Name(id="hidden_states", ctx=ast.Load()))], decorator_list=[], type_params=[])
-    tree = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
-    namespace = dict(vars(module))
-    exec(compile(tree, f"<{cls.__name__}.forward before its layers>", "exec"), namespace)  # noqa: S102
-    compiled = namespace["_embed_work"]
-    return lambda h: compiled(base, h)
+    from titan_hf.head import bind_statements
+
+    return bind_statements(base, lines, "h", "hidden_states", "before its layers")

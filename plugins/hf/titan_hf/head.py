@@ -79,14 +79,7 @@ def post_head(shell: nn.Module, head: str) -> Callable[[Any], Any] | None:
         line = forward.__code__.co_firstlineno + statements[-1].lineno - 1
         raise ConfigError(f"model=hf: {cls.__name__}.forward changes its logits after self.{head} using "
                           f"{', '.join(sorted(unknown))} (line {line}); model=hf cannot apply that exactly")
-    fn = ast.FunctionDef(name="_post_head", args=ast.arguments(
-        posonlyargs=[], args=[ast.arg("self"), ast.arg("logits")], kwonlyargs=[], kw_defaults=[], defaults=[]),
-        body=[*statements, ast.Return(ast.Name(id="logits", ctx=ast.Load()))], decorator_list=[], type_params=[])
-    module = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
-    namespace = dict(vars(inspect.getmodule(cls)))
-    exec(compile(module, f"<{cls.__name__}.forward after self.{head}>", "exec"), namespace)  # noqa: S102
-    compiled = namespace["_post_head"]
-    return lambda logits: compiled(shell, logits)
+    return bind_statements(shell, statements, "logits", "logits", f"after self.{head}")
 
 
 def _plain(node: ast.AST) -> bool:
@@ -124,11 +117,20 @@ def pre_head(shell: nn.Module, head: str) -> Callable[[Any], Any] | None:
         work.append(ast.Assign(targets=[ast.Name(id="hidden_states", ctx=ast.Store())], value=arg))
     if not work:
         return None
-    fn = ast.FunctionDef(name="_pre_head", args=ast.arguments(
-        posonlyargs=[], args=[ast.arg("self"), ast.arg("hidden_states")], kwonlyargs=[], kw_defaults=[], defaults=[]),
-        body=[*work, ast.Return(ast.Name(id="hidden_states", ctx=ast.Load()))], decorator_list=[], type_params=[])
+    return bind_statements(shell, work, "hidden_states", "hidden_states", f"before self.{head}")
+
+
+def bind_statements(owner: nn.Module, statements: list[ast.stmt], value: str, returns: str,
+                    label: str) -> Callable[[Any], Any]:
+    """``fn(x)``: ``statements`` of ``type(owner).forward`` run as a function of ``value``
+    (bound to ``x``) returning ``returns``, with ``self`` = ``owner``, in the class's
+    module namespace (the class's own names resolve as in its forward)."""
+    cls = type(owner)
+    fn = ast.FunctionDef(name="_bound", args=ast.arguments(
+        posonlyargs=[], args=[ast.arg("self"), ast.arg(value)], kwonlyargs=[], kw_defaults=[], defaults=[]),
+        body=[*statements, ast.Return(ast.Name(id=returns, ctx=ast.Load()))], decorator_list=[], type_params=[])
     tree = ast.fix_missing_locations(ast.Module(body=[fn], type_ignores=[]))
-    namespace = dict(vars(module))
-    exec(compile(tree, f"<{cls.__name__}.forward before self.{head}>", "exec"), namespace)  # noqa: S102
-    compiled = namespace["_pre_head"]
-    return lambda h: compiled(shell, h)
+    namespace = dict(vars(inspect.getmodule(cls)))
+    exec(compile(tree, f"<{cls.__name__}.forward {label}>", "exec"), namespace)  # noqa: S102
+    compiled = namespace["_bound"]
+    return lambda x: compiled(owner, x)
