@@ -54,7 +54,7 @@ def check_hf(case: dict, dims, job) -> dict:
     cfg = case["cfg"]
     spec = get_plugin_manager().get_model("llama3")
     parts = _parallel_parts(cfg, dims, job, case.get("stages"))
-    counts = {"loaded": 0, "sliced": 0, "kept": 0}
+    counts = {"loaded": 0, "sliced": 0, "kept": 0, "tied": 0}
     permuted = sharded = 0
     for part in parts:
         for key, value in load_hf_weights([part], spec, cfg, case["hf"], verbose=False).items():

@@ -79,13 +79,13 @@ def test_layouts_match_single_process(tmp_path):
     for name, res, want in zip(HF_LAYOUTS, results[len(CASES):], wants, strict=False):
         diff = (res["logits"] - want).abs().max().item()
         print(f"{name}: max |logits - transformers| {diff:.1e}, entries loaded {res['loaded']} "
-              f"(sliced {res['sliced']}, q/k read whole {res['permuted']}), kept {res['kept']}, "
+              f"(sliced {res['sliced']}, q/k read whole {res['permuted']}), kept {res['kept']}, tied {res['tied']}, "
               f"{res['seconds']:.1f} s")
         assert res["freqs_cis_plain"] and res["sharded_entries"] > 0, name  # the ranks really hold slices
         # each rank reads only its slices, but for the q/k rows (permuted between the
         # rotary layouts: read whole, one tensor at a time, then cut)
         tied = res["cfg"].enable_weight_tying  # output.weight: the embedding, not in the folder
-        assert res["kept"] == tied and res["loaded"] - res["sliced"] == res["permuted"] > 0, (name, res)
+        assert res["kept"] == 0 and res["tied"] == tied and res["loaded"] - res["sliced"] == res["permuted"] > 0, (name, res)
         assert diff <= HF_ATOL, (name, diff)
     assert len(results) == len(CASES) + len(loads)
     for name, res in zip(CASES, results, strict=False):
