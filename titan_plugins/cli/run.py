@@ -126,6 +126,10 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
     if job.plan.enabled:
         return _run_plan(spec, job, pm)
     clear_error_file(run_dir)
+    if job.fault_tolerance.enable:  # replica groups under a torchft lighthouse
+        from titan_plugins.distributed.ft_supervisor import launch_replicas
+
+        return launch_replicas(job, run_dir, dims.world_size, write_config)
     return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=RANK_PRELOAD,
                   forward=forwarded_signals(job))
 

@@ -337,6 +337,27 @@ class RolloutConfig:
 
 
 @dataclass
+class FaultToleranceConfig:
+    """``fault_tolerance=torchft``: the job runs as ``replica_groups`` replica groups of
+    ``group_size`` ranks each (the parallelism preset lays out one group); torchft's
+    Manager sums the gradients of the groups alive at each step, and a group that dies
+    is dropped from the quorum, restarted and healed from a live peer
+    (titan_plugins/distributed/fault_tolerance.py, ft_supervisor.py)."""
+
+    enable: bool = False
+    replica_groups: int = ranged(2, "[1, inf)")  # M: groups that train side by side
+    group_size: int | None = ranged(None, "[1, inf)")  # ranks per group (None: the preset's world size)
+    min_replicas: int = ranged(1, "[1, inf)")  # a step commits only with at least this many groups
+    lighthouse: str | None = None  # None: titan-run starts one; host:port: a shared one
+    max_restarts: int = ranged(3, "[0, inf)")  # per group: how often titan-run restarts a lost group
+    quorum_timeout_s: float = ranged(120.0, "(0, inf)")  # the longest wait for a quorum
+    timeout_s: float = ranged(60.0, "(0, inf)")  # cross-group collectives, commits and healing transfers
+    heartbeat_timeout_s: float = ranged(5.0, "(0, inf)")  # the started lighthouse: silence that means dead
+    join_timeout_s: float = ranged(60.0, "(0, inf)")  # the started lighthouse: wait for a healthy straggler
+    replica_id: int | None = ranged(None, "[0, inf)")  # set per group by titan-run (by hand under torchrun)
+
+
+@dataclass
 class JobConfig:
     model: Any = MISSING
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
@@ -351,4 +372,5 @@ class JobConfig:
     peft: PeftConfig = field(default_factory=PeftConfig)  # peft=lora: titan_plugins/peft
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)  # objective=dpo: titan_plugins/objectives
     rollout: RolloutConfig = field(default_factory=RolloutConfig)  # objective=grpo's completions
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)  # replica groups (torchft)
     run_dir: str = "."  # set by titan-run to Hydra's output directory

@@ -19,7 +19,7 @@ from titan_plugins.errors import ConfigError
 if TYPE_CHECKING:
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["add_counts", "global_count", "primary", "run_microbatches"]
+__all__ = ["add_counts", "batch_count", "global_count", "primary", "run_microbatches"]
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
@@ -34,16 +34,30 @@ def global_count(run: JobView, batches: list[Any]) -> float | tuple[float, ...]:
     from titan_plugins.distributed.context_parallel import context_parallel
 
     objective = run.objective
-    total = sum(objective.count(batch[1]) for batch in batches).to(torch.float64)
+    total = _summed_count(objective, batches)
     cp = context_parallel(getattr(run, "dims", None))  # cp: over dp x cp, the ranks holding other tokens
     group = run.dp_group if cp is None else cp.loss_group
     if group is not None:
         total = total.to(run.device)
         dist.all_reduce(total, group=group)
+    return _checked(run, total)
+
+
+def _summed_count(objective: Any, batches: list[Any]) -> torch.Tensor:
+    return sum(objective.count(batch[1]) for batch in batches).to(torch.float64)
+
+
+def _checked(run: JobView, total: torch.Tensor) -> float | tuple[float, ...]:
     count: float | tuple[float, ...] = float(total.item()) if total.dim() == 0 else tuple(total.tolist())
     if primary(count) == 0:
-        raise ConfigError(objective.empty_message(run.config))
+        raise ConfigError(run.objective.empty_message(run.config))
     return count
+
+
+def batch_count(run: JobView, batches: list[Any]) -> float | tuple[float, ...]:
+    """The objective's count over ``batches`` where this rank holds the whole global
+    batch (fault_tolerance=torchft): no collective."""
+    return _checked(run, _summed_count(run.objective, batches))
 
 
 def primary(count: float | tuple[float, ...]) -> float:
@@ -55,14 +69,15 @@ def add_counts(a: Any, b: Any) -> Any:
     return b if a is None else (a + b if isinstance(a, float) else tuple(x + y for x, y in zip(a, b)))
 
 
-def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
-                     acc_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict[str, float], Any]:
+def run_microbatches(run: JobView, batches: list[Any], *, train: bool, acc_dtype: torch.dtype = torch.float32,
+                     count: Any = None) -> tuple[torch.Tensor, dict[str, float], Any]:
     """``(loss, sums, count)`` of ``batches`` on this rank: ``loss`` this rank's part of
     the global loss (summed in ``acc_dtype``; the caller all-reduces it), ``sums`` the
     objective's metric numerators summed over DP, ``count`` the global count.
     ``train=True`` runs backward (and the pipeline schedule's ``step``; else ``eval``).
     Under context parallelism each rank keeps its chunks of every row (``loss`` and
-    ``sums`` come back summed over the cp peers)."""
+    ``sums`` come back summed over the cp peers). ``count``: the global count where the
+    caller has it (fault_tolerance=torchft: ``batch_count`` of the whole global batch)."""
     from titan_plugins.components.attention_masks import documents
     from titan_plugins.components.cp_attention import sharded_sequence
     from titan_plugins.data.batch import Batch
@@ -72,7 +87,7 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool,
     cp, shard = context_parallel(getattr(run, "dims", None)), None
     if cp is not None:  # parallelism.cp: positions, masks and the K/V exchange follow the shard
         shard, batches = cp.shard_batches(batches, Batch)
-    count = global_count(run, batches)
+    count = global_count(run, batches) if count is None else count
     model = run.model
     objective.set_scale(count)
     loss_sum = torch.zeros((), dtype=acc_dtype, device=run.device)

@@ -51,6 +51,9 @@ def job_world_size(job: DictConfig) -> int | None:
     """WORLD_SIZE under torchrun/Slurm, else ``parallelism.world_size`` (may be None)."""
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
+    ft = job.get("fault_tolerance")
+    if job.parallelism.world_size is None and ft is not None and ft.enable and ft.group_size:
+        return int(ft.group_size)  # fault_tolerance=torchft: the parallelism lays out one group
     return job.parallelism.world_size
 
 
@@ -77,6 +80,9 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     from titan_plugins.distributed.context_parallel import check_context_parallel
 
     check_context_parallel(job, spec.name, config, dims)  # seq_len into 2*cp chunks, what is not done yet
+    from titan_plugins.distributed.fault_tolerance import check_fault_tolerance
+
+    check_fault_tolerance(job, dims)  # fault_tolerance=torchft: what a replica group can hold
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)

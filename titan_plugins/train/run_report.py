@@ -256,13 +256,17 @@ class RunReport:
         total, active = count_parameters(build_meta_model(t.spec, job))
         run_dir = Path(t.run_dir)
         global_batch = int(job.training.local_batch_size) * dims.dp_size * int(job.training.grad_accum_steps)
+        ft = job.get("fault_tolerance")
+        groups = int(ft.replica_groups) if ft is not None and ft.enable else 1
+        global_batch *= groups  # fault_tolerance=torchft: the live groups share every group's rows
         return dict(
             model=t.spec.name,
             flavor=(f"sizes and weights from model.hf={job.model.hf}" if job.model.get("hf")
                     else f"flavor {job.model.get('flavor') or t.spec.default_flavor}"),
             params_total=total,
             params_active=active,
-            world=f"{t.world} rank{'s' if t.world > 1 else ''}",
+            world=f"{t.world} rank{'s' if t.world > 1 else ''}" + (
+                f" per replica group, {groups} groups (fault_tolerance=torchft)" if groups > 1 else ""),
             meshes=_meshes_text(dims),
             device=t.device.type,
             precision=_precision_text(job.precision),

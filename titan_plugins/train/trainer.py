@@ -144,27 +144,40 @@ class Trainer:
         self.peak_tflops = run_peak_tflops(job, self.device.type)
         self.peak_source = ("metrics.peak_tflops" if job.metrics.get("peak_tflops") else
                             "probed on this CPU" if self.device.type == "cpu" else "device data sheet")
+        self.ft = None  # fault_tolerance=torchft: this rank's torchft Manager (train/replica_loop.py)
+        if self.fault_tolerant:
+            from titan_plugins.train.replica_loop import start_session
+
+            self.ft = start_session(self)
 
     # ------------------------------------------- the objectives' view (objectives.job.JobView)
     @property
     def config(self) -> DictConfig:
         return self.job
 
+    @property
+    def fault_tolerant(self) -> bool:
+        return bool(self.job.get("fault_tolerance") is not None and self.job.fault_tolerance.enable)
+
     def build_dataloader(self) -> DataLoader:
         from titan_plugins.data import build_dataloader, build_tokenizer
 
         data_cfg = self.job.data
         tokenizer = self.tokenizer = build_tokenizer(data_cfg)
+        dp_rank, dp_world, accum = self.dims.dp_rank(), self.dims.dp_size, self.accum
+        if self.fault_tolerant:  # every rank reads the whole global batch, trains its share of it
+            dp_rank, dp_world = 0, 1
+            accum = self.accum * self.dims.dp_size * int(self.job.fault_tolerance.replica_groups)
         return build_dataloader(
             data_cfg,
             tokenizer,
-            dp_rank=self.dims.dp_rank(),
-            dp_world=self.dims.dp_size,
+            dp_rank=dp_rank,
+            dp_world=dp_world,
             local_batch_size=int(self.job.training.local_batch_size),
             seq_len=int(self.job.training.seq_len),
             seed=int(self.job.training.seed),
             datasets=self.pm.datasets(),
-            grad_accum_steps=self.accum,  # the global batch's rows, the same at any layout
+            grad_accum_steps=accum,  # the global batch's rows, the same at any layout
         )
 
     def loss_context(self) -> contextlib.AbstractContextManager[Any]:
@@ -260,7 +273,10 @@ class Trainer:
 
     def _loop(self, step: int, report: RunReport, profiler: StepProfiler) -> tuple[int, dict[str, float]]:
         """Steps from ``step`` to ``training.steps``; returns the last step and its metrics."""
-        job, pm, rank = self.job, self.pm, self.rank
+        if self.ft is not None:  # fault_tolerance=torchft: quorum, share, sum over groups, commit
+            from titan_plugins.train.replica_loop import replica_loop
+
+            return replica_loop(self, step, report, profiler)
         metrics: dict[str, float] = {}
         data = iter(self.dataloader)
         while step < self.steps:
@@ -270,44 +286,53 @@ class Trainer:
             batches = self.objective.rollout(self, step + 1, batches)  # online objectives: sample and score
             loss, grad_norm, _trained = self.train_step(batches)
             step += 1
-            dt = time.perf_counter() - t0
-            # Throughput counts every position the model computed (padding and masked
-            # prompt tokens too, as FLOPs do), not only the tokens the loss counts.
-            tps = sum(b[0].numel() for b in batches) * self.dims.dp_size / dt
-            tflops = self.flops_per_token * tps / self.world / 1e12
-            metrics = {
-                "loss": loss,
-                "grad_norm": grad_norm,
-                "lr": lr,
-                "tokens_per_s": tps,
-                "tflops": tflops,
-                "memory_gib": memory_gib(self.device.type),
-                "step_time_s": dt,
-            }
-            metrics.update(self.step_metrics)  # the objective's own (DPO: rewards/*, logps/*)
-            if self.peak_tflops:
-                mfu = mfu_percent(tflops, self.peak_tflops)
-                if mfu is not None:
-                    metrics["mfu"] = mfu
-                else:  # the peak is not credible (a CPU probe taken under load): no MFU at all
-                    if rank == 0 and job.metrics.console:
-                        print(f"MFU left out from step {step}: {tflops:.3g} TFLOP/s per rank exceeds the "
-                              f"peak of {self.peak_tflops:.3g} ({self.peak_source}); set "
-                              "metrics.peak_tflops to this machine's figure", flush=True)
-                    self.peak_tflops = None
-            metrics["eta_s"] = report.step(step, metrics)
-            self.last_step, self.last_metrics = step, metrics
-            pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
-            profiler.step(step)
-            if self.validator is not None and self.validator.due(step, self.steps):
-                val = self.validator.run()
-                report.validation(step, val)
-                pm.hook.titan_on_validation_end(step=step, metrics=val, job_config=job, rank=rank)
-            saved = self.checkpointer.save(step) if self.checkpointer.should_save(step, self.steps) else None
-            sig = self.preemption.due()  # checkpoint.on_signal: the ranks agree, save and stop (exit 75)
-            if sig is not None and step < self.steps:
-                raise self.preemption.stop(sig, step, saved or self.checkpointer.save(step), rank)
+            tokens = sum(b[0].numel() for b in batches) * self.dims.dp_size
+            metrics = self.end_step(step, tokens, time.perf_counter() - t0, lr, loss, grad_norm, report, profiler)
         return step, metrics
+
+    def end_step(self, step: int, tokens: int, dt: float, lr: float, loss: float, grad_norm: float,
+                 report: RunReport, profiler: StepProfiler, extra: dict[str, float] | None = None) -> dict[str, float]:
+        """After step ``step`` (``tokens``: the global batch's): its metrics, the console
+        line, the hooks, validation, the save and the preemption check."""
+        job, pm, rank = self.job, self.pm, self.rank
+        # Throughput counts every position the model computed (padding and masked
+        # prompt tokens too, as FLOPs do), not only the tokens the loss counts.
+        tps = tokens / dt
+        tflops = self.flops_per_token * tps / self.world / 1e12
+        metrics = {
+            "loss": loss,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": tps,
+            "tflops": tflops,
+            "memory_gib": memory_gib(self.device.type),
+            "step_time_s": dt,
+        }
+        metrics.update(self.step_metrics)  # the objective's own (DPO: rewards/*, logps/*)
+        metrics.update(extra or {})
+        if self.peak_tflops:
+            mfu = mfu_percent(tflops, self.peak_tflops)
+            if mfu is not None:
+                metrics["mfu"] = mfu
+            else:  # the peak is not credible (a CPU probe taken under load): no MFU at all
+                if rank == 0 and job.metrics.console:
+                    print(f"MFU left out from step {step}: {tflops:.3g} TFLOP/s per rank exceeds the "
+                          f"peak of {self.peak_tflops:.3g} ({self.peak_source}); set "
+                          "metrics.peak_tflops to this machine's figure", flush=True)
+                self.peak_tflops = None
+        metrics["eta_s"] = report.step(step, metrics)
+        self.last_step, self.last_metrics = step, metrics
+        pm.hook.titan_on_step_end(step=step, metrics=metrics, job_config=job, rank=rank)
+        profiler.step(step)
+        if self.validator is not None and self.validator.due(step, self.steps):
+            val = self.validator.run()
+            report.validation(step, val)
+            pm.hook.titan_on_validation_end(step=step, metrics=val, job_config=job, rank=rank)
+        saved = self.checkpointer.save(step) if self.checkpointer.should_save(step, self.steps) else None
+        sig = self.preemption.due()  # checkpoint.on_signal: the ranks agree, save and stop (exit 75)
+        if sig is not None and step < self.steps:
+            raise self.preemption.stop(sig, step, saved or self.checkpointer.save(step), rank)
+        return metrics
 
     def dump_final_params(self) -> None:
         sd = full_model_state_dict(self.model.parts, self.pp_group)
