@@ -154,9 +154,11 @@ class ReplicaSession:
         self.log_path = log if group_rank == 0 else None
         self._attempt_started = 0.0
         # The job's first quorum waits for every group (a fast one would otherwise train
-        # alone from step 0 while the others still start); a restart joins whoever is there.
-        self._gather = os.environ.get(START_ENV, "0") == "0"
-        self._gather_tries = int(float(ft.quorum_timeout_s) / 0.1)
+        # alone from step 0 while the others still start); a restarted group waits for one
+        # live peer to heal from (alone it would train from its own step 0 again).
+        first = os.environ.get(START_ENV, "0") == "0"
+        self._need = self.groups if first else min(2, self.groups)
+        self._need_tries = int(float(ft.quorum_timeout_s) / 0.1)
 
     def resume_at(self, step: int) -> None:
         """A group resumed from its own checkpoint at ``step``: the quorum heals the
@@ -169,12 +171,19 @@ class ReplicaSession:
         self._attempt_started = time.time()
         self.manager.start_quorum()
         tries = 0  # every rank of the group sees the same quorums: they loop alike
-        while self._gather and self.manager.num_participants() < self.groups and tries < self._gather_tries:
+        while self.manager.num_participants() < self._need:
+            if tries >= self._need_tries:
+                raise RuntimeError(f"replica group {self.replica} found {self.manager.num_participants()} of the "
+                                   f"{self._need} groups it waits for within fault_tolerance.quorum_timeout_s")
             time.sleep(0.1)
             tries += 1
             self.manager.start_quorum()
-        self._gather = False
-        return self.manager.current_step(), self.healed_from
+        self._need = 0
+        step = self.manager.current_step()
+        if self.healed_from is not None:
+            self._write({"event": "healed", "step": step + 1, "replica": self.replica, "from": self.healed_from,
+                         "time": round(time.time(), 3)})
+        return step, self.healed_from
 
     @property
     def participant(self) -> tuple[int, int]:
@@ -213,10 +222,13 @@ class ReplicaSession:
         if self.log_path is None:
             return
         _, k = self.participant
-        record = {"step": step, "replica": self.replica, "participants": k, "of": self.groups,
-                  "replicas": self.replicas(), "committed": committed, "quorum_id": self.manager._quorum_id,
-                  "healed_from": self.healed_from, "started": round(self._attempt_started, 3),
-                  "time": round(time.time(), 3)}
+        self._write({"step": step, "replica": self.replica, "participants": k, "of": self.groups,
+                     "replicas": self.replicas(), "committed": committed, "quorum_id": self.manager._quorum_id,
+                     "started": round(self._attempt_started, 3), "time": round(time.time(), 3)})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.log_path is None:
+            return
         line = (json.dumps(record) + "\n").encode()
         fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:

@@ -58,7 +58,7 @@ def read_quorums(path: Path) -> list[dict[str, Any]]:
 
 def steps_by_participants(records: list[dict[str, Any]]) -> dict[int, int]:
     """``{k: steps committed with k participating groups}``, each step once."""
-    by_step = {r["step"]: r["participants"] for r in records if r.get("committed")}
+    by_step = {r["step"]: r["participants"] for r in records if r.get("committed") and "event" not in r}
     counts: dict[int, int] = {}
     for k in by_step.values():
         counts[k] = counts.get(k, 0) + 1
@@ -81,6 +81,7 @@ class _Group:
         self.replica, self.config, self.nproc, self.env = replica, config, nproc, env
         self.restarts, self.proc, self.last_error = 0, None, ""
         self.finished = self.gone = False
+        self.joined = True  # a restarted group: healed from, or trained with, a live peer
         self.log = config.parent / "console.log"
 
     def start(self, console: Callable[[int], bool]) -> None:
@@ -276,13 +277,13 @@ class _Watch:
         end = chunk.rfind(b"\n") + 1
         self.read += end
         for line in chunk[:end].decode().splitlines():
-            with contextlib.suppress(ValueError, KeyError):
+            with contextlib.suppress(ValueError, KeyError, IndexError):
                 r = json.loads(line)
-                if r["committed"]:
+                self.groups[r["replica"]].joined = True
+                if r.get("event") == "healed":
+                    print(f"replica {r['replica']} healed at step {r['step']} from replica {r['from']}", flush=True)
+                elif r["committed"]:
                     self.last_step[r["replica"]] = max(self.last_step.get(r["replica"], 0), r["step"])
-                if r.get("healed_from") is not None:
-                    print(f"replica {r['replica']} healed at step {r['step']} from replica {r['healed_from']}",
-                          flush=True)
 
     def _at_step(self) -> int:
         return max(self.last_step.values(), default=0)
@@ -305,6 +306,8 @@ class _Watch:
                     return self._lighthouse_lost("it no longer answers")
                 failure = g.proc.returncode
                 self._lost(g)
+            if any(g.finished for g in self.groups):
+                self._stop_unjoined()
             if all(g.finished or g.gone for g in self.groups):
                 if any(g.finished for g in self.groups):
                     return 0
@@ -322,11 +325,21 @@ class _Watch:
             print(f"{head}; not restarted: the others have finished", flush=True)
         elif g.restarts < self.max_restarts:
             g.restarts += 1
+            g.joined = False
             print(f"{head}; restarting it ({g.restarts}/{self.max_restarts})", flush=True)
             g.start(self.console)
         else:
             g.gone = True
             print(f"{head}; not restarted (fault_tolerance.max_restarts={self.max_restarts} used)", flush=True)
+
+    def _stop_unjoined(self) -> None:
+        """A restarted group still waiting for a peer when the others have finished."""
+        for g in self.groups:
+            if g.running() and not g.joined:
+                g.gone = True
+                print(f"replica {g.replica} stopped: the others finished at step {self._at_step()} before it "
+                      "rejoined", flush=True)
+                g.signal(signal.SIGTERM)
 
     def _lighthouse_lost(self, why: str) -> int:
         print(f"error: the torchft lighthouse at {self.address} was lost at step {self._at_step() + 1} ({why}): "
