@@ -317,20 +317,21 @@ class _Watch:
 
     def _lost(self, g: _Group) -> None:
         step = self.last_step.get(g.replica, 0) + 1
-        live = sum(other.running() for other in self.groups)
+        # a group that finished meanwhile trained on to the end: it counts as training
+        live = sum(other.running() or other.finished for other in self.groups)
         head = (f"replica {g.replica} lost at step {step} ({g.cause()}); {live} of {len(self.groups)} "
                 "replicas training")
-        if any(other.finished for other in self.groups):
+        if g.restarts >= self.max_restarts:
+            g.gone = True
+            print(f"{head}; not restarted (fault_tolerance.max_restarts={self.max_restarts} used)", flush=True)
+        elif any(other.finished for other in self.groups):
             g.gone = True
             print(f"{head}; not restarted: the others have finished", flush=True)
-        elif g.restarts < self.max_restarts:
+        else:
             g.restarts += 1
             g.joined = False
             print(f"{head}; restarting it ({g.restarts}/{self.max_restarts})", flush=True)
             g.start(self.console)
-        else:
-            g.gone = True
-            print(f"{head}; not restarted (fault_tolerance.max_restarts={self.max_restarts} used)", flush=True)
 
     def _stop_unjoined(self) -> None:
         """A restarted group still waiting for a peer when the others have finished."""

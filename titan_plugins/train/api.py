@@ -52,8 +52,9 @@ def job_world_size(job: DictConfig) -> int | None:
     if "WORLD_SIZE" in os.environ:
         return int(os.environ["WORLD_SIZE"])
     ft = job.get("fault_tolerance")
-    if job.parallelism.world_size is None and ft is not None and ft.enable and ft.group_size:
-        return int(ft.group_size)  # fault_tolerance=torchft: the parallelism lays out one group
+    if job.parallelism.world_size is None and ft is not None and ft.enable and ft.group_size and \
+            job.parallelism.dp_shard == -1:
+        return int(ft.group_size)  # fault_tolerance=torchft: dp_shard=-1 fills one group
     return job.parallelism.world_size
 
 
