@@ -5,14 +5,15 @@
 - ``TITAN_TEST_FT_KILL_FORWARD=REPLICA:CALL``: rank 0 of that group SIGKILLs itself in its
   CALL-th forward of its first start (inside a step, after the step's quorum formed);
 - ``TITAN_TEST_FT_WAIT=REPLICA:STEP:OTHER``: that group parks after committing STEP until
-  group OTHER has been restarted and is training again (so that it heals from a live peer
-  however long its restart takes on a busy machine);
+  group OTHER has been restarted and asked for a quorum (so that it heals at step STEP + 1
+  from a live peer however long its restart takes on a busy machine);
 - ``TITAN_TEST_FT_SLOW=SECONDS``: every step that much longer (time for a test to act).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -51,9 +52,19 @@ def titan_on_step_end(step: int, metrics: dict[str, float], job_config: Any, ran
     if wait:
         who, at, other = (int(x) for x in wait.split(":"))
         deadline = time.monotonic() + 120
-        while who == replica and at == step and not _marker(job_config, other).exists():
+        while who == replica and at == step and not _asked_for_quorum(job_config, other):
             assert time.monotonic() < deadline, "the killed group never came back"
             time.sleep(0.05)
+
+
+def _asked_for_quorum(job_config: Any, replica: int) -> bool:
+    """Group ``replica`` restarted and its new Manager asked the lighthouse for a quorum
+    (the lighthouse's log names a second id for it): the next quorum holds it."""
+    if not _marker(job_config, replica).exists():
+        return False
+    log = Path(job_config.run_dir).parent / "lighthouse.log"
+    ids = re.findall(rf"Received quorum request for replica {replica}:([0-9a-f-]+)", log.read_text())
+    return len(set(ids)) > 1
 
 
 @hookimpl
