@@ -192,8 +192,7 @@ def launch_replicas(job: Any, run_dir: Path, nproc: int, write_group_config: Cal
 
     ft = job.fault_tolerance
     run_dir = Path(run_dir)
-    quorum_log = run_dir / QUORUM_LOG
-    quorum_log.unlink(missing_ok=True)
+    quorum_log = run_dir / QUORUM_LOG  # a resumed run adds to its history
     reaper = Reaper()
     reaper.start_job()
     lighthouse, address = None, ft.lighthouse
@@ -260,7 +259,7 @@ class _Watch:
                  lighthouse: subprocess.Popen | None, address: str) -> None:
         self.groups, self.quorum_log, self.max_restarts = groups, quorum_log, max_restarts
         self.lighthouse, self.address = lighthouse, address
-        self.read = 0  # bytes of the quorum log seen
+        self.read = quorum_log.stat().st_size if quorum_log.is_file() else 0  # bytes of the quorum log seen
         self.last_step: dict[int, int] = {}  # replica -> last step it committed
 
     def console(self, replica: int) -> bool:
