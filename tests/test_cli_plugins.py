@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -129,8 +130,9 @@ def test_format_help_lists_models_and_groups(toy_env: Any) -> None:
     text = format_help(pm)
     assert text.startswith("usage: titan-run")
     assert "toy" in text and "from <extra>==-" in text and "flavors: debugmodel*, wide" in text
-    assert "parallelism  " in text and "single*" in text and "fsdp4_tp2_ep2" in text
-    assert "precision    bf16_compute, bf16_mixed, float8_rowwise, float8_tensorwise, fp32*" in text
+    assert re.search(r"\n  parallelism ", text) and "single*" in text and "fsdp4_tp2_ep2" in text
+    assert re.search(r"\n  precision +bf16_compute, bf16_mixed, float8_rowwise, float8_tensorwise, fp32\*\n", text)
+    assert re.search(r"\n  fault_tolerance +none\*, torchft\n", text)
 
 
 def test_format_help_without_models(monkeypatch: pytest.MonkeyPatch) -> None:
