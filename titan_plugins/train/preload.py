@@ -9,11 +9,15 @@ is skipped here on purpose: the rank imports it again and reports the failure.
 
 from __future__ import annotations
 
+import gc
+
 import torch  # noqa: F401
+import torch._dynamo  # noqa: F401 - the first meta-device init (torch._refs) imports it: ~1-2 s per rank
 import torch._meta_registrations  # noqa: F401 - imported lazily by the first meta-device build
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 
+import titan_plugins.components.decoder  # noqa: F401 - the shared blocks (flex attention) models build on
 import titan_plugins.train.trainer  # noqa: F401
 from titan_plugins._discovery import iter_entry_points
 
@@ -27,3 +31,6 @@ def _import_plugins() -> None:
 
 
 _import_plugins()
+# What was imported here lives as long as the ranks: leave it out of their garbage
+# collections (a full one walked all of torch: ~1 s per rank at teardown on a busy CPU).
+gc.freeze()
