@@ -7,8 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import TYPE_CHECKING
 
-__all__ = ["ALL_LINEAR", "PeftConfig", "PeftMethod"]
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+__all__ = ["ALL_LINEAR", "PeftConfig", "PeftMethod", "lora_enabled"]
 
 # ``peft.target_modules=[all-linear]``: every nn.Linear except the modules that live
 # only on the first or last pipeline stage (the output projection), as peft's own.
@@ -39,3 +43,11 @@ class PeftConfig:
     target_modules: list[str] = field(default_factory=lambda: [ALL_LINEAR])
     init_from: str | None = None  # a PEFT adapter folder to continue training from
     adapter_only_checkpoints: bool = True  # checkpoints hold what trains (base: model.hf / init_from)
+
+
+def lora_enabled(job: DictConfig) -> bool:
+    """Whether the job trains LoRA adapters (peft.method lora, or qlora: LoRA on a 4-bit base)."""
+    peft = job.get("peft") if hasattr(job, "get") else getattr(job, "peft", None)
+    if peft is None:
+        return False
+    return str(getattr(peft.method, "value", peft.method)) in ("lora", "qlora")  # qlora: LoRA on a 4-bit base

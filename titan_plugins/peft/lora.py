@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_plugins.errors import ConfigError
+from titan_plugins.peft.config import lora_enabled
 from titan_plugins.peft.experts import (
     GroupedLoRA,
     add_expert_adapters,
@@ -37,7 +38,6 @@ from titan_plugins.peft.experts import (
 from titan_plugins.peft.targets import canonical_name, match_targets
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
 
     from titan_plugins.peft.config import PeftConfig
 
@@ -58,13 +58,6 @@ ADAPTER_KEYS = (".lora_A.weight", ".lora_B.weight")
 def is_adapter_key(key: str) -> bool:
     """Whether a state-dict key belongs to a LoRA adapter."""
     return key.endswith(ADAPTER_KEYS)
-
-
-def lora_enabled(job: DictConfig) -> bool:
-    peft = job.get("peft") if hasattr(job, "get") else getattr(job, "peft", None)
-    if peft is None:
-        return False
-    return str(getattr(peft.method, "value", peft.method)) in ("lora", "qlora")  # qlora: LoRA on a 4-bit base
 
 
 class _Adapter(nn.Module):

@@ -97,7 +97,7 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
         from titan_plugins.model.lifecycle import build_meta_model
 
         build_meta_model(spec, job)  # raises if the model has no set_compute_dtype
-    from titan_plugins.peft.lora import lora_enabled
+    from titan_plugins.peft.config import lora_enabled  # no torch: the launcher stays light
 
     if lora_enabled(job):  # target patterns, float8, peft.init_from's folder: before any rank starts
         from titan_plugins.train.prelaunch_peft import check_lora
