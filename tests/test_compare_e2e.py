@@ -31,6 +31,7 @@ def compare(tmp_path, *args):
     return compare_main([*args, "--workdir", str(tmp_path / "work")])
 
 
+@pytest.mark.extended  # the next test's bitwise verdict (another layout) covers the same path
 def test_repeat_run_is_bitwise_equal(tmp_path, capsys):
     rc = compare(tmp_path, "--baseline", MODEL, "--test", MODEL, "--steps", "3", "--assert-equal", "--params")
     out = capsys.readouterr().out

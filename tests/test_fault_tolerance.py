@@ -196,6 +196,7 @@ def test_the_lighthouse_killed_ends_the_job_in_one_line(tmp_path):
     assert not _left_behind(run_dir, lighthouse)
 
 
+@pytest.mark.extended  # the lighthouse test above checks the same teardown (no process left)
 def test_ctrl_c_stops_every_group_and_the_lighthouse(tmp_path):
     run_dir = tmp_path / "ctrl-c"
     proc = _start(run_dir, *BASE, *FT, "training.steps=40", env={"TITAN_TEST_FT_SLOW": "0.2"})

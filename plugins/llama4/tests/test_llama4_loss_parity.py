@@ -59,9 +59,9 @@ def _baseline(base_overrides: list[str], work):
     return _baselines[name]
 
 
-# Left to make test-all (extended), for the suite's time: fsdp2_tp2 (the etp case covers
-# FSDP x TP) and fsdp2_tp2_pp2 (pp2_tp2 on iRoPE covers the pipeline with TP).
-_EXTENDED = {"fsdp2_tp2", "fsdp2_tp2_pp2"}
+# Left to make test-all (extended), for the suite's time: fsdp2_tp2 and fsdp2_ep2 (the etp
+# case covers FSDP x TP x EP) and fsdp2_tp2_pp2 (pp2_tp2 on iRoPE covers the pipeline with TP).
+_EXTENDED = {"fsdp2_tp2", "fsdp2_ep2", "fsdp2_tp2_pp2"}
 
 
 @pytest.mark.slow

@@ -33,10 +33,11 @@ BASES = {
                          "model.eos_id=10", "data=builtin"],
 }
 # Left to make test-all (extended), for the suite's time: TP without sequence parallel
-# (test_fused_loss and the LoRA layout tests run it) and plain pp2 (pp2_tp2 covers it).
+# (test_fused_loss and the LoRA layout tests run it), plain pp2 (pp2_tp2 covers it) and the
+# tied flavor at fsdp2_tp2 (the moe case runs FSDP x TP with SP, test_qwen3_parallel ties under TP).
 _EXTENDED = pytest.mark.extended
 CASES = [
-    ("tied", ["parallelism=fsdp2_tp2"]),  # sequence parallel on
+    pytest.param("tied", ["parallelism=fsdp2_tp2"], marks=_EXTENDED),  # SP on; the moe case runs fsdp2 x tp2
     pytest.param("tied", ["parallelism=tp2", "parallelism.sequence_parallel=false"], marks=_EXTENDED),
     ("moe", ["parallelism=fsdp2_tp2_ep2"]),
     pytest.param("untied", ["parallelism=pp2"], marks=_EXTENDED),
