@@ -71,18 +71,15 @@ def run_ranks(
     safe only while the caller runs no threads of its own (no process group)."""
     if "<" in fn.__qualname__:  # <lambda>, <locals>: the ranks could not import it
         raise ValueError(f"run_ranks needs a module-level function, got {fn.__qualname__}")
-    from titan_plugins.distributed.launcher import free_port
-
     ctx = _context(start_method, fn.__module__)
     out = tempfile.mkdtemp(prefix="titan-ranks-")
     env = dict(os.environ)  # now, not the fork server's (it may predate a monkeypatch)
     procs: list[BaseProcess] = []
     try:
-        port = free_port()
         for rank in range(world):
             proc = ctx.Process(
                 target=_rank_main,
-                args=((fn.__module__, fn.__qualname__), rank, world, args, env, port, threads, out),
+                args=((fn.__module__, fn.__qualname__), rank, world, args, env, threads, out),
                 name=f"rank{rank}",
             )
             proc.start()
@@ -175,13 +172,13 @@ def _timeout_message(procs: list[BaseProcess], records: dict[int, tuple | None],
 # ------------------------------------------------------------------ in the rank
 def _rank_main(
     target: tuple[str, str], rank: int, world: int, args: tuple, env: dict[str, str],
-    port: int, threads: int, out: str,
+    threads: int, out: str,
 ) -> None:
     os.environ.clear()  # first: the fork server's environment is not the caller's
     os.environ.update(env)
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        MASTER_ADDR="127.0.0.1",
     )
     import torch
     import torch.distributed as dist
@@ -195,7 +192,8 @@ def _rank_main(
         fn: Any = importlib.import_module(module)
         for name in qualname.split("."):
             fn = getattr(fn, name)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        store = _rendezvous_store(out, rank, world)
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
         _save(out, rank, ("ok", fn(rank, world, *args)))
         finished = True
     except BaseException:  # noqa: BLE001 - the parent raises it, with this traceback
@@ -204,6 +202,31 @@ def _rank_main(
         destroy_process_groups(synchronize=finished)
     if not finished:
         sys.exit(1)
+
+
+def _rendezvous_store(out: str, rank: int, world: int, timeout: float = 120.0):
+    """The ranks' TCPStore. Rank 0 listens on a port the OS assigns and publishes it in
+    ``out``; the others read it there. A port picked in advance and bound later could be
+    taken meanwhile by any other process of a busy test run (seen in CI: EADDRINUSE)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    path, wait_for = Path(out, "port"), timedelta(seconds=timeout)
+    if rank == 0:
+        store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=wait_for, wait_for_workers=False)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(str(store.port))
+        os.replace(tmp, path)
+    else:
+        deadline = time.monotonic() + timeout
+        while not path.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 published no rendezvous port within {timeout:.0f} s")
+            time.sleep(0.01)
+        store = TCPStore("127.0.0.1", int(path.read_text()), world, is_master=False, timeout=wait_for)
+    os.environ["MASTER_PORT"] = str(store.port)  # for code that reads it, as under torchrun
+    return store
 
 
 def _save(out: str, rank: int, record: tuple) -> None:
