@@ -9,7 +9,8 @@ ranks without the trainer.
     assert run_ranks(check, 2, 3) == [[3.0, 3.0, 3.0]] * 2
 
 Each rank replaces its environment with the caller's, sets ``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``, joins a gloo process group, runs
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (rank 0's store port, assigned by the
+OS and published in the call's folder: ``rendezvous_store``), joins a gloo process group, runs
 ``fn(rank, world, *args)`` and ends its groups as the trainer's ranks do
 (``destroy_process_groups``). The values come back in rank order; a rank that raises
 or dies ends the call with one :class:`RankFailure` naming the first failing rank with
@@ -43,7 +44,7 @@ from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RankFailure", "run_ranks"]
+__all__ = ["RankFailure", "rendezvous_store", "run_ranks"]
 
 
 class RankFailure(AssertionError):
@@ -192,7 +193,7 @@ def _rank_main(
         fn: Any = importlib.import_module(module)
         for name in qualname.split("."):
             fn = getattr(fn, name)
-        store = _rendezvous_store(out, rank, world)
+        store = rendezvous_store(out, rank, world)
         dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
         _save(out, rank, ("ok", fn(rank, world, *args)))
         finished = True
@@ -204,15 +205,15 @@ def _rank_main(
         sys.exit(1)
 
 
-def _rendezvous_store(out: str, rank: int, world: int, timeout: float = 120.0):
+def rendezvous_store(folder: str | Path, rank: int, world: int, timeout: float = 120.0):
     """The ranks' TCPStore. Rank 0 listens on a port the OS assigns and publishes it in
-    ``out``; the others read it there. A port picked in advance and bound later could be
+    ``folder`` (a fresh one per launch); the others read it there. A port picked in advance and bound later could be
     taken meanwhile by any other process of a busy test run (seen in CI: EADDRINUSE)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    path, wait_for = Path(out, "port"), timedelta(seconds=timeout)
+    path, wait_for = Path(folder, "rendezvous-port"), timedelta(seconds=timeout)
     if rank == 0:
         store = TCPStore("127.0.0.1", 0, world, is_master=True, timeout=wait_for, wait_for_workers=False)
         tmp = path.with_suffix(".tmp")

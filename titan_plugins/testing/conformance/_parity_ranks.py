@@ -1,6 +1,7 @@
 """One rank of the kit's loss-parity job (``python -m
 titan_plugins.testing.conformance._parity_ranks PLAN.json``, started twice by
-``parity.py`` with RANK, WORLD_SIZE=2, MASTER_ADDR and MASTER_PORT set).
+``parity.py`` with RANK and WORLD_SIZE=2 set; rank 0 publishes its store's port in the
+plan's folder, testing.gloo.rendezvous_store).
 
 Several cases share one launch, so the interpreters, torch and the plugin import
 once: rank 0 first writes each group's seed checkpoint and trains the one-rank
@@ -118,7 +119,11 @@ def main(plan_path: str) -> int:
                 step(index, "base", lambda g=group: _alone(lambda: _train(pm, losses, g["base"])))
     cases = [(index, kind, path) for index, group in enumerate(plan["groups"]) for kind, path in group["cases"]]
     if cases:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=plan["timeout"]))
+        from titan_plugins.testing.gloo import rendezvous_store
+
+        store = rendezvous_store(plan["dir"], rank, world, timeout=plan["timeout"])
+        dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
+                                timeout=timedelta(seconds=plan["timeout"]))
         for index, kind, path in cases:
             step(index, kind, lambda p=path: _train(pm, losses, p))
         destroy_process_groups(synchronize=True)

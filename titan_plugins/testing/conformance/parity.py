@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -164,12 +163,6 @@ def _run_groups(session: Session, groups: list[_Group], base_dir: Path, timeout:
 
 
 # ------------------------------------------------------------------ launching
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _launch(session: Session, todo: list[_Group], base_dir: Path, attempt: int, timeout: float) -> None:
     """One 2-rank job for the pending runs of ``todo``; records losses and failures."""
     plans = [(group, group.pending()) for group in todo]
@@ -186,7 +179,8 @@ def _launch(session: Session, todo: list[_Group], base_dir: Path, attempt: int, 
     for rank in range(2):
         (base_dir / f"results-rank{rank}.jsonl").unlink(missing_ok=True)
     env = session.target.env()
-    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE="2")
+    (base_dir / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (rendezvous_store)
+    env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2")
     logs = [base_dir / f"parity-rank{r}-{attempt}.log" for r in range(2)]
     procs = []
     for rank in range(2):
