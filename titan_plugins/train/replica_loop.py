@@ -75,14 +75,7 @@ def replica_step(trainer: Trainer, mine: list[Any], count: Any, step: int) -> tu
     grad_norm = clip_grad_norm_(trainer.model.parameters(), float(trainer.job.training.max_norm),
                                 pp_group=trainer.pp_group)
     committed = trainer.ft.commit(step)
-    if committed:
-        if not trainer.nonfinite.check(step, loss_sum, grad_norm):
-            for opt in trainer.optimizers:
-                opt.step()
-        for sched in trainer.schedulers:
-            sched.step()
-    for opt in trainer.optimizers:
-        opt.zero_grad(set_to_none=True)
+    trainer.apply_update(step, loss_sum, grad_norm, committed=committed)
     return float(loss_sum.item()), float(grad_norm.item()), committed
 
 

@@ -211,20 +211,27 @@ class Trainer:
         grad_norm = clip_grad_norm_(
             self.model.parameters(), float(self.job.training.max_norm), pp_group=self.pp_group
         )
-        # training.nonfinite: the ranks agree (one all-reduce) whether this update is dropped
-        if not self.nonfinite.check(getattr(self, "last_step", 0) + 1, loss_sum, grad_norm):
-            for opt in self.optimizers:
-                opt.step()
-        for sched in self.schedulers:
-            sched.step()
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=True)
+        self.apply_update(getattr(self, "last_step", 0) + 1, loss_sum, grad_norm)
 
         if self.dp_group is not None:
             dist.all_reduce(loss_sum, group=self.dp_group)
         if self.pp_group is not None:
             dist.all_reduce(loss_sum, group=self.pp_group)  # only the last stage holds a loss
         return float(loss_sum.item()), float(grad_norm.item()), primary(count)
+
+    def apply_update(self, step: int, loss_sum: torch.Tensor, grad_norm: torch.Tensor, *,
+                     committed: bool = True) -> None:
+        """Step ``step``'s optimizer and LR-schedule update (none of it when not
+        ``committed``: torchft's replica loop), then clear the gradients."""
+        if committed:
+            # training.nonfinite: the ranks agree (one all-reduce) whether this update is dropped
+            if not self.nonfinite.check(step, loss_sum, grad_norm):
+                for opt in self.optimizers:
+                    opt.step()
+            for sched in self.schedulers:
+                sched.step()
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
 
     def data_counts(self) -> str | None:
         """What the training source counted (chat: conversations truncated, dropped, skipped),
