@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titan_plugins.testing.sessions import finish
 from titan_plugins.train.api import rank_env
 
 pytestmark = pytest.mark.slow
@@ -45,12 +46,7 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None) -> subproces
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    return proc.returncode, out, err
+    return finish(proc, TIMEOUT)
 
 
 def _left_behind(run_dir: Path, lighthouse: int, wait: float = 3.0) -> list[str]:

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from titan_plugins.plugins import get_plugin_manager
+from titan_plugins.testing.sessions import finish
 from titan_plugins.train.api import _patched_env, prepare_job, rank_env, read_result, write_config
 
 pytestmark = pytest.mark.slow
@@ -72,13 +73,7 @@ def _left_behind(proc: subprocess.Popen, wait: float = 3.0) -> list[str]:
 
 
 def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-    proc.ended = time.monotonic()
-    return proc.returncode, out, err
+    return finish(proc, TIMEOUT)
 
 
 def _rank_pid(run_dir: Path, rank: int) -> int:

@@ -79,8 +79,24 @@ def flops(config: TinyConfig, seq_len: int) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------- the model
+PROBE_ENV = "TITAN_TINY_PROBE"  # tests: a folder where each rank writes what it started with
+
+
 def build(config: TinyConfig):
+    _write_probe()
     return _model_module().Transformer(config)
+
+
+def _write_probe() -> None:
+    import json
+    import os
+
+    folder = os.environ.get(PROBE_ENV)
+    if folder:
+        record = {"cwd": os.getcwd(), "pid": os.getpid(), "server": os.getppid(),
+                  "failure_dir": os.environ.get("TITAN_FAILURE_DIR"), "rank": os.environ.get("RANK")}
+        with open(os.path.join(folder, f"rank{record['rank']}.json"), "w") as f:
+            json.dump(record, f)
 
 
 _MODEL = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -32,13 +31,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from titan_plugins.distributed import fork_server
 from titan_plugins.distributed.parallel_dims import threads_per_rank
 from titan_plugins.distributed.rank_signals import (
     PENDING_FILE,
     PID_FILE,
     PREEMPTED_EXIT,
     PREEMPTED_FILE,
-    reset_inherited,
 )
 from titan_plugins.distributed.reaper import Reaper, stop_resource_tracker, tracker_pid
 from titan_plugins.failures import (
@@ -99,7 +98,7 @@ def launch(
         rdzv_configs={"timeout": 120},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method=_start_method([entry.__module__, *preload]),
+        start_method=fork_server.start_method([entry.__module__, *preload], ignored_signals=forward),
     )
     reaper, tracker_before = Reaper(), tracker_pid()
     with owned(Path(config_path).parent):  # no second live job in this run directory
@@ -115,121 +114,28 @@ def launch(
         ignored = {sig: signal.signal(sig, signal.SIG_IGN) for sig in forward}
         try:
             if config.start_method == "forkserver":
-                _start_fork_server()
+                fork_server.ensure_server()
             else:
                 from multiprocessing import resource_tracker
 
                 resource_tracker.ensure_running()  # the ranks', started by the first one otherwise
-            return _launch(config, _RankEntry(entry), config_path, error_file, failure_dir, tuple(forward))
+            return _launch(config, fork_server.RankEntry(entry), config_path, error_file, failure_dir, tuple(forward))
         finally:
             for sig, handler in ignored.items():
                 signal.signal(sig, signal.SIG_DFL if handler is None else handler)
             os.environ.pop(FAILURE_DIR_ENV, None)
-            _end_job(reaper, config.start_method, tracker_before)
+            _end_job(reaper, tracker_before)
             shutil.rmtree(failure_dir, ignore_errors=True)
 
 
-class _RankEntry:
-    """What each rank process runs: ``entry`` after resetting what the rank inherited.
-
-    - Signal handlers: a job in the background of a script ignores SIGINT in every
-      process it starts (see ``rank_signals``).
-    - The default start method: a rank forked from the fork server inherits
-      ``forkserver``, so each DataLoader would start a fork server of its own whose
-      workers watch that server, not the rank, and outlive the rank. Ranks start their
-      children with ``fork``, as a rank started by torchrun does.
-    (Its pid reaches the launcher's ``forward`` once it handles the signal:
-    ``rank_signals.install_preemption``.)"""
-
-    def __init__(self, entry: Callable[[str], object]) -> None:
-        self.entry = entry
-        # elastic names the job after it
-        self.__name__ = getattr(entry, "__name__", "entry")
-        self.__qualname__ = getattr(entry, "__qualname__", self.__name__)
-
-    def __call__(self, *args: object) -> object:
-        reset_inherited()
-        if "fork" in multiprocessing.get_all_start_methods():
-            multiprocessing.set_start_method("fork", force=True)
-        return self.entry(*args)
-
-
-def _end_job(reaper: Reaper, start_method: str, tracker_before: int | None) -> None:
-    """Every process the job left ends: the ranks' leftovers first (a fork server waits
-    for all its clients before it exits), then this launch's fork server and resource
-    tracker (which exit once nobody holds their pipes)."""
-    from multiprocessing import forkserver
-
-    server = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
-    reaper.end_job(keep={p for p in (server, tracker_pid()) if p})
-    if start_method == "forkserver":
-        _stop_fork_server()  # no idle server holding torch left behind in this process
+def _end_job(reaper: Reaper, tracker_before: int | None) -> None:
+    """Every process the job left ends: the ranks' leftovers (a fork server waits for
+    all its clients before it exits), then this launch's resource tracker (which exits
+    once nobody holds its pipe). The fork server stays for the next launch of this
+    process (``fork_server``); it exits with this process."""
+    reaper.end_job(keep={p for p in (fork_server.server_pid(), tracker_pid()) if p})
     if tracker_before is None:
         stop_resource_tracker()
-
-
-def _start_method(preload: list[str]) -> str:
-    """``forkserver`` where the platform has it: the server imports torch and
-    ``preload`` once and every rank forks from it (a spawned rank re-imports torch
-    and the trainer, ~5 s of CPU each, most of a short run at 4-8 ranks on a few cores).
-    The server forks before any rank state exists (no threads, no CUDA, no process
-    group), so each rank starts as clean as a spawned one.
-
-    A rank inherits the server's environment, so each launch starts its own server:
-    one still running in this process (a test harness's, an earlier job's) is stopped
-    first, or a Hydra multirun's second job would see the first job's failure
-    directory. Where a server cannot be stopped, the ranks spawn."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods() or not _stop_fork_server():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(["titan_plugins.distributed._server_env", "torch", *preload])
-    return "forkserver"
-
-
-# The ranks' fork server restores these in its own environment (_server_env.py) once its
-# sys.path is set up, so that the ranks and their children see the launcher's environment.
-SERVER_ENV_SAVED = "TITAN_FORKSERVER_SAVED_ENV"
-
-
-def _start_fork_server() -> None:
-    """Start the fork server with exactly this process's ``sys.path``.
-
-    Python (3.11) starts the server with ``python -c``, which puts the current directory
-    first on its ``sys.path`` and ignores the ``sys_path`` it is handed, so a
-    ``titan_plugins/`` (or ``torch/``) folder where the user typed the command would be
-    what the ranks import. The server starts with ``PYTHONSAFEPATH`` (no current
-    directory) and this process's ``sys.path`` as its ``PYTHONPATH``; its first preloaded
-    module puts the user's own values of both back before any rank forks."""
-    import json
-    from multiprocessing import forkserver
-
-    saved = {key: os.environ.get(key) for key in ("PYTHONPATH", "PYTHONSAFEPATH")}
-    os.environ[SERVER_ENV_SAVED] = json.dumps(saved)
-    os.environ["PYTHONSAFEPATH"] = "1"
-    # "" (``python -m`` / ``-c`` in this process) is this process's current directory
-    os.environ["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
-    try:
-        forkserver.ensure_running()
-    finally:
-        os.environ.pop(SERVER_ENV_SAVED, None)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-def _stop_fork_server() -> bool:
-    """Stop this process's fork server if one runs (it restarts on next use); False
-    where this Python offers no way to (``_stop`` is CPython's own, used by its tests)."""
-    from multiprocessing import forkserver
-
-    stop = getattr(getattr(forkserver, "_forkserver", None), "_stop", None)
-    if stop is None:
-        return False
-    stop()
-    return True
 
 
 def _forwarding(config, signals: tuple[signal.Signals, ...], failure_dir: str) -> dict[signal.Signals, object]:

@@ -1,0 +1,248 @@
+"""A warm process that starts job launchers (a "zygote"): ``train.api.run`` forks each
+job's launcher from it instead of starting ``python -m titan_plugins.train.worker``.
+
+A launcher started from scratch imports torch (~1.5 s of CPU) and then starts the
+ranks' fork server, a second interpreter that imports torch, torch._dynamo, the
+trainer and the plugins (~6 s). A process that runs many short jobs (a test suite, a
+sweep written in Python, a notebook) paid that for every job. The zygote imports all
+of it once, then forks a launcher per job; the launcher forks the ranks' fork server
+from itself (``fork_server.fork_from_self``), so a job's ranks start from the same
+imports without a new interpreter.
+
+Each launcher starts as a fresh ``python -m titan_plugins.train.worker`` would: its own
+session (killed as a group on timeout), the caller's environment, working directory
+and ``PYTHONPATH`` entries, its output in the caller's files, its exit code (a signal
+as ``-N``) reported back. The zygote forks before anything of a job exists (no
+threads, no process group), so every launcher is as clean as the first.
+
+A zygote started for other imports (another ``sys.path``, a distribution installed
+meanwhile, other environment variables) is replaced (``fork_server.import_key``); it
+exits when the process that started it does. ``TITAN_WARM_START=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import importlib
+import os
+import pickle
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Connection, wait
+
+__all__ = ["WarmChild", "enabled", "serve", "start"]
+
+PRELOAD = ("titan_plugins.train.preload", "titan_plugins.train.worker")
+WARM_START_ENV = "TITAN_WARM_START"
+
+_lock = threading.Lock()
+_zygote: tuple[subprocess.Popen, socket.socket, tuple] | None = None
+
+
+def enabled() -> bool:
+    return (os.environ.get(WARM_START_ENV, "1") != "0" and hasattr(os, "fork")
+            and hasattr(socket, "send_fds") and sys.platform.startswith("linux"))
+
+
+class WarmChild:
+    """A launcher forked by the zygote: ``pid`` (its session's id), ``wait``, ``kill_group``."""
+
+    def __init__(self, pid: int, conn: Connection) -> None:
+        self.pid, self._conn, self.returncode = pid, conn, None
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not wait([self._conn], timeout):
+                raise subprocess.TimeoutExpired(f"launcher {self.pid}", timeout)
+            try:
+                self.returncode = self._conn.recv()
+            except EOFError:  # the zygote died: nothing can report this launcher's status
+                self.returncode = 1
+            self._conn.close()
+        return self.returncode
+
+    def kill_group(self) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, signal.SIGKILL)
+
+
+def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> WarmChild | None:
+    """Fork ``titan_plugins.train.worker.main(argv)`` from the zygote with ``env`` and this
+    process's working directory, its output on the ``stdout`` / ``stderr`` fds; None where
+    no zygote can serve (the caller starts the worker itself)."""
+    if not enabled():
+        return None
+    from titan_plugins.distributed.fork_server import import_key
+
+    with _lock:
+        global _zygote
+        key = import_key(PRELOAD)
+        if _zygote is not None and (_zygote[2] != key or _zygote[0].poll() is not None):
+            _stop(_zygote)
+            _zygote = None
+        if _zygote is None:
+            _zygote = _start_zygote(key)
+        control = _zygote[1]
+        mine, theirs = socket.socketpair()
+        try:
+            socket.send_fds(control, [b"j"], [theirs.fileno(), stdout, stderr])
+        except OSError:  # the zygote is gone
+            mine.close()
+            return None
+        finally:
+            theirs.close()
+    conn = Connection(mine.detach())
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    conn.send((list(argv), dict(env), os.getcwd(), paths))
+    try:
+        pid = conn.recv()
+    except EOFError:
+        conn.close()
+        return None
+    return WarmChild(pid, conn)
+
+
+def _start_zygote(key: tuple) -> tuple[subprocess.Popen, socket.socket, tuple]:
+    mine, theirs = socket.socketpair()
+    env = dict(os.environ)
+    # This process's imports, not those of a folder named like a package in the cwd.
+    env["PYTHONSAFEPATH"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", f"from titan_plugins.train.zygote import serve; serve({theirs.fileno()})"],
+        pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
+    theirs.close()
+    atexit.register(_stop, (proc, mine, key))
+    return proc, mine, key
+
+
+def _stop(zygote: tuple[subprocess.Popen, socket.socket, tuple]) -> None:
+    proc, control, _ = zygote
+    control.close()  # the zygote exits on EOF
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+# --- the zygote's side -------------------------------------------------------------
+
+
+def serve(control_fd: int) -> None:
+    """The zygote's loop: import, then fork a launcher per request until the control
+    socket closes."""
+    for module in PRELOAD:
+        importlib.import_module(module)
+    gc.freeze()
+    control = socket.socket(fileno=control_fd)
+    sig_r, sig_w = os.pipe()
+    os.set_blocking(sig_r, False)
+    os.set_blocking(sig_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.set_wakeup_fd(sig_w)
+    replies: dict[int, Connection] = {}
+    with selectors.DefaultSelector() as selector:
+        selector.register(control, selectors.EVENT_READ)
+        selector.register(sig_r, selectors.EVENT_READ)
+        while True:
+            ready = [key.fileobj for key, _ in selector.select()]
+            if sig_r in ready:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(sig_r, 4096)
+                _reap(replies)
+            if control in ready:
+                try:
+                    _, fds, _, _ = socket.recv_fds(control, 1, 3)
+                except OSError:
+                    fds = []
+                if len(fds) != 3:  # EOF: the caller is gone
+                    return
+                reply = Connection(fds[0])
+                try:
+                    request = reply.recv()
+                except (EOFError, OSError, pickle.UnpicklingError):
+                    reply.close()
+                    for fd in fds[1:]:
+                        os.close(fd)
+                    continue
+                pid = os.fork()
+                if pid == 0:
+                    others = [c.fileno() for c in replies.values()]
+                    _launcher(request, fds[1], fds[2],
+                              keep_closed=[control_fd, sig_r, sig_w, fds[0], selector.fileno(), *others])
+                for fd in fds[1:]:
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    reply.send(pid)
+                replies[pid] = reply
+                _reap(replies)
+
+
+def _reap(replies: dict[int, Connection]) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        reply = replies.pop(pid, None)
+        if reply is not None:
+            with contextlib.suppress(OSError):
+                reply.send(os.waitstatus_to_exitcode(status))
+            reply.close()
+
+
+def _launcher(request: tuple, stdout: int, stderr: int, keep_closed: list[int]) -> None:
+    """The forked launcher: become what ``python -m titan_plugins.train.worker`` would be."""
+    code = 1
+    try:
+        argv, env, cwd, paths = request
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.setsid()
+        for fd in keep_closed:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.dup2(stdout, 1)
+        os.dup2(stderr, 2)
+        for fd in (devnull, stdout, stderr):
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        # ``python -m`` puts the working directory first, then PYTHONPATH's entries
+        sys.path[:0] = [p for p in [cwd, *paths] if p not in sys.path]
+        from titan_plugins.distributed import fork_server
+        from titan_plugins.train import worker
+
+        sys.argv = [worker.__file__, *argv]
+
+        fork_server.fork_from_self()
+        code = worker.main(list(argv))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:  # noqa: BLE001 - the launcher's own crash, as python would print it
+        traceback.print_exc()
+        code = 1
+    finally:
+        with contextlib.suppress(BaseException):
+            atexit._run_exitfuncs()
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else 1)
