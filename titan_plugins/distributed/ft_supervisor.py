@@ -142,22 +142,33 @@ def _lighthouse_command() -> str:
     return found
 
 
-def _start_lighthouse(ft: Any, run_dir: Path) -> tuple[subprocess.Popen, str]:
-    from titan_plugins.distributed.launcher import free_port
+_LISTENING = re.compile(rb"Lighthouse listening on: \S+?:(\d+)")
 
-    port = free_port()
-    cmd = [_lighthouse_command(), "--min_replicas", str(ft.min_replicas), "--bind", f"[::]:{port}",
+
+def _start_lighthouse(ft: Any, run_dir: Path) -> tuple[subprocess.Popen, str]:
+    """The lighthouse on a port the OS assigns (``--bind [::]:0``), read back from its log:
+    a port picked here and bound by the child a moment later could be taken meanwhile, and
+    the job would then talk to whatever listens there."""
+    cmd = [_lighthouse_command(), "--min_replicas", str(ft.min_replicas), "--bind", "[::]:0",
            "--heartbeat_timeout_ms", str(int(float(ft.heartbeat_timeout_s) * 1000)),
            "--join_timeout_ms", str(int(float(ft.join_timeout_s) * 1000)), "--quorum_tick_ms", "50"]
-    log = open(run_dir / "lighthouse.log", "ab")  # noqa: SIM115 - the child holds it
+    log_path = run_dir / "lighthouse.log"
+    log = open(log_path, "ab")  # noqa: SIM115 - the child holds it
+    start = log.tell()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     log.close()
-    address = f"localhost:{port}"
     deadline = time.monotonic() + 20
-    while not reachable(address, timeout=0.5):
+    address = None
+    while address is None or not reachable(address, timeout=0.5):
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()
-            raise ConfigError(f"fault_tolerance=torchft: the lighthouse did not start (see {run_dir}/lighthouse.log)")
+            proc.wait()
+            raise ConfigError(f"fault_tolerance=torchft: the lighthouse did not start (see {log_path})")
+        if address is None:
+            with open(log_path, "rb") as f:
+                f.seek(start)
+                found = _LISTENING.search(f.read())
+            address = f"localhost:{int(found.group(1))}" if found else None
         time.sleep(0.05)
     return proc, address
 

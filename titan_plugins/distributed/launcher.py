@@ -94,7 +94,7 @@ def launch(
         nproc_per_node=nproc,
         run_id=f"titan-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"localhost:{free_port()}",
+        rdzv_endpoint="localhost:0",  # the OS assigns the port (torchrun --standalone): none picked and bound later
         rdzv_configs={"timeout": 120},
         max_restarts=0,
         monitor_interval=0.1,
