@@ -47,6 +47,7 @@ class ParallelDims:
     etp: int
     world_size: int
     cp: int = 1
+    sequence_parallel: bool = True  # parallelism.sequence_parallel (what a model's validate may check under tp)
     _meshes: dict = field(default_factory=dict, repr=False)
     world_mesh: object = field(default=None, repr=False)
 
@@ -85,7 +86,8 @@ class ParallelDims:
                 f"parallelism degrees multiply to {product} (dp_replicate={cfg.dp_replicate} x "
                 f"dp_shard={dp_shard} x cp={cp} x tp={cfg.tp} x pp={cfg.pp}) but the world size is {world_size}"
             )
-        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep, cfg.etp, product, cp)
+        dims = cls(cfg.dp_replicate, dp_shard, cfg.tp, cfg.pp, cfg.ep, cfg.etp, product, cp,
+                   bool(getattr(cfg, "sequence_parallel", True)))
         dims.validate()
         return dims
 

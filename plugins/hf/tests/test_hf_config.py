@@ -102,6 +102,9 @@ def test_the_class_follows_model_type_as_transformers_does(tmp_path, folder):
     (["parallelism=fsdp2_tp2_ep2_etp2", "model.flavor=tiny_qwen3_moe", "parallelism.sequence_parallel=false"],
      "parallelism.etp=2: model=hf shards whole experts"),
     (["parallelism.tp=2", "parallelism.world_size=2", "model.flavor=tiny_gpt_oss"], "declares no tensor-parallel plan"),
+    # SP beside an MoE block the TP plan leaves out: before launch (it was each rank's error)
+    (["parallelism=fsdp2_tp2", "model.flavor=tiny_mixtral"],
+     "parallelism.sequence_parallel=true: MixtralForCausalLM's base_model_tp_plan leaves the layer's 'mlp'"),
     (["parallelism.pp=2", "parallelism.world_size=2", "model.flavor=tiny_gemma3"], "enable_weight_tying=true"),
     (["parallelism.tp=4", "parallelism.world_size=4", "model.flavor=tiny_llama"], "model.n_kv_heads=2 is not divisible"),
     (["model.flavor=tiny_gpt_oss", "model.attn_implementation=sdpa"], "runs GptOssForCausalLM without SDPA"),

@@ -79,6 +79,18 @@ def _check_sequence_parallel(model: HFCausalLM, layer: nn.Module, gathered: set[
                 "parallelism.sequence_parallel=false")
 
 
+def _gathered(plan: dict[str, str]) -> set[str]:
+    return {p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}
+
+
+def check_sequence_parallel(model: HFCausalLM) -> None:
+    """``_check_sequence_parallel`` on every decoder layer (a model on meta will do): the
+    launcher refuses before any rank starts what ``apply_tp`` would refuse in each rank."""
+    gathered = _gathered(layer_plan(model.hf_config))
+    for layer in model.layers.values():
+        _check_sequence_parallel(model, layer, gathered)
+
+
 def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
     """The model's own plan on each decoder layer, then embedding, norm and head."""
     sp = sequence_parallel
@@ -86,7 +98,7 @@ def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parall
     for layer in model.layers.values():
         layer_styles = {path: torch_style(style, sequence_parallel=sp) for path, style in plan.items()}
         if sp:
-            gathered = {p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}
+            gathered = _gathered(plan)
             _check_sequence_parallel(model, layer, gathered)
             for parent in sorted(gathered):
                 if parent == "self_attn":  # called as self_attn(hidden_states=...)

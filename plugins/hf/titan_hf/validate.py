@@ -82,6 +82,20 @@ def _check_tp(config: HFModelConfig, hf: Any, tp: int) -> None:
             raise ConfigError(f"parallelism.tp={tp}: {key}={n} is not divisible by it")
 
 
+def _check_sequence_parallel_on_meta(config: HFModelConfig) -> None:
+    """SP needs every weighted child of a layer inside the TP plan (an MoE block beside an
+    attention-only plan would train on one rank's gradient): read from the model built on
+    meta, so the line comes before launch, not from every rank."""
+    import torch
+
+    from titan_hf.model import build
+    from titan_hf.parallelize import check_sequence_parallel
+
+    with torch.device("meta"):
+        model = build(config)
+    check_sequence_parallel(model)
+
+
 def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
     """Raise ``ConfigError`` (one line) for a layout or field this model cannot take."""
     values = hf_dict(config)  # "model.hf is not set" when neither a folder nor a flavor gave the model
@@ -102,6 +116,8 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
         _check_ep(config, hf, values, parallel_dims)
     if parallel_dims.tp > 1:
         _check_tp(config, hf, parallel_dims.tp)
+        if getattr(parallel_dims, "sequence_parallel", True):
+            _check_sequence_parallel_on_meta(config)
     if parallel_dims.pp > 1 and config.enable_weight_tying:
         raise ConfigError(f"model.enable_weight_tying=true cannot run with parallelism.pp={parallel_dims.pp}: "
                           "the embedding lives on the first stage and the tied head on the last")
