@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 from titan_plugins.plugins import get_plugin_manager
-from titan_plugins.testing.sessions import finish
+from titan_plugins.testing.sessions import WarmJob, finish
 from titan_plugins.train.api import _patched_env, prepare_job, rank_env, read_result, write_config
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,8 @@ TIMEOUT = 240
 
 def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: bool = False,
            base: list[str] = BASE) -> subprocess.Popen:
-    """The launcher in a session of its own; ``background``: as ``launcher &`` in a shell
+    """The launcher in a session of its own, forked from the zygote (what ``titan-run``
+    runs after composing); ``background``: a new interpreter as ``launcher &`` in a shell
     script (it and its ranks inherit SIGINT ignored); the launcher's pid is then the
     first line of stderr."""
     added = rank_env(EXTRA, env)
@@ -50,7 +51,10 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: 
         pm = get_plugin_manager(strict=True)
         _, job, dims = prepare_job([*base, *overrides], pm, run_dir=run_dir)
     config = write_config(job, run_dir)
-    cmd = [sys.executable, "-m", "titan_plugins.train.worker", str(config), str(dims.world_size)]
+    argv = [str(config), str(dims.world_size)]
+    if not background and WarmJob.available():  # the same launcher, forked from the zygote
+        return WarmJob(argv, {**os.environ, **added})
+    cmd = [sys.executable, "-m", "titan_plugins.train.worker", *argv]
     if background:
         cmd = ["sh", "-c", '"$@" & echo $! >&2; wait $!', "sh", *cmd]
     return subprocess.Popen(cmd, env={**os.environ, **added}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
