@@ -121,3 +121,20 @@ def test_launches_of_one_process_reuse_the_fork_server_unless_the_environment_ch
     assert first[0]["failure_dir"] != second[0]["failure_dir"]  # each launch's own
     assert {r["server"] for r in third}.isdisjoint(r["server"] for r in first)  # a new one
     assert {r["extra"] for r in third} == {"set"} and {r["extra"] for r in second} == {None}
+
+
+def test_a_source_edited_after_the_zygote_started_gets_a_new_zygote(tmp_path):
+    """A developer edits the trainer between two runs of a notebook: the zygote imported
+    the old code, so it answers "stale" and exits, and the job runs on a new one."""
+    first, _ = _go(tmp_path, "before")
+    old = zygote._zygote[0]
+    source = Path(zygote.__file__)  # imported by every zygote (it runs its loop)
+    stat = source.stat()
+    try:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+        second, _ = _go(tmp_path, "after")
+    finally:
+        os.utime(source, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert first.returncode == second.returncode == 0, (first.error, second.error)
+    assert zygote._zygote[0] is not old and old.wait(timeout=30) == 0  # the stale one ended
+    assert first.losses == second.losses

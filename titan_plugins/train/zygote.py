@@ -41,6 +41,7 @@ __all__ = ["WarmChild", "enabled", "serve", "start"]
 
 PRELOAD = ("titan_plugins.train.preload", "titan_plugins.train.worker")
 WARM_START_ENV = "TITAN_WARM_START"
+STALE = "stale"  # the zygote's answer when a source file it imported changed since
 
 _lock = threading.Lock()
 _zygote: tuple[subprocess.Popen, socket.socket, tuple] | None = None
@@ -79,6 +80,14 @@ def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> 
     no zygote can serve (the caller starts the worker itself)."""
     if not enabled():
         return None
+    for _ in range(2):  # a zygote whose sources changed on disk exits: a new one serves
+        child = _request(argv, env, stdout, stderr)
+        if child != STALE:
+            return child
+    return None
+
+
+def _request(argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> WarmChild | str | None:
     from titan_plugins.distributed.fork_server import import_key
 
     with _lock:
@@ -89,10 +98,10 @@ def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> 
             _zygote = None
         if _zygote is None:
             _zygote = _start_zygote(key)
-        control = _zygote[1]
+        zygote = _zygote
         mine, theirs = socket.socketpair()
         try:
-            socket.send_fds(control, [b"j"], [theirs.fileno(), stdout, stderr])
+            socket.send_fds(zygote[1], [b"j"], [theirs.fileno(), stdout, stderr])
         except OSError:  # the zygote is gone
             mine.close()
             return None
@@ -106,6 +115,14 @@ def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> 
     except EOFError:
         conn.close()
         return None
+    if pid == STALE:  # it exits once the launchers it started have ended
+        conn.close()
+        with _lock:
+            if _zygote is zygote:
+                _zygote = None
+                zygote[1].close()
+                threading.Thread(target=zygote[0].wait, daemon=True).start()  # reaped, never a zombie
+        return STALE
     return WarmChild(pid, conn)
 
 
@@ -142,6 +159,7 @@ def serve(control_fd: int) -> None:
     socket closes."""
     for module in PRELOAD:
         importlib.import_module(module)
+    sources = _source_mtimes()
     gc.freeze()
     control = socket.socket(fileno=control_fd)
     sig_r, sig_w = os.pipe()
@@ -151,6 +169,7 @@ def serve(control_fd: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.set_wakeup_fd(sig_w)
     replies: dict[int, Connection] = {}
+    draining = False
     with selectors.DefaultSelector() as selector:
         selector.register(control, selectors.EVENT_READ)
         selector.register(sig_r, selectors.EVENT_READ)
@@ -160,6 +179,8 @@ def serve(control_fd: int) -> None:
                 with contextlib.suppress(BlockingIOError):
                     os.read(sig_r, 4096)
                 _reap(replies)
+                if draining and not replies:
+                    return
             if control in ready:
                 try:
                     _, fds, _, _ = socket.recv_fds(control, 1, 3)
@@ -171,9 +192,20 @@ def serve(control_fd: int) -> None:
                 try:
                     request = reply.recv()
                 except (EOFError, OSError, pickle.UnpicklingError):
+                    request = None
+                stale = request is not None and _changed(sources)
+                if request is None or stale:
+                    with contextlib.suppress(OSError):
+                        if stale:  # edited since imported: a launcher would run the old code
+                            reply.send(STALE)
                     reply.close()
                     for fd in fds[1:]:
                         os.close(fd)
+                    if stale:  # no new launcher; the running ones still report their exit
+                        selector.unregister(control)
+                        draining = True
+                        if not replies:
+                            return
                     continue
                 pid = os.fork()
                 if pid == 0:
@@ -186,6 +218,32 @@ def serve(control_fd: int) -> None:
                     reply.send(pid)
                 replies[pid] = reply
                 _reap(replies)
+
+
+def _source_mtimes() -> dict[str, int]:
+    """The source files of the modules imported here that live outside the installation
+    folders (an editable install, a plugin on PYTHONPATH): those a developer edits. What
+    pip installs changes a folder the caller's key watches (``fork_server.import_key``)."""
+    import sysconfig
+
+    installed = tuple({sysconfig.get_path(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")} - {None})
+    out = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and path.endswith(".py") and not path.startswith(installed):
+            with contextlib.suppress(OSError):
+                out[path] = os.stat(path).st_mtime_ns
+    return out
+
+
+def _changed(sources: dict[str, int]) -> bool:
+    for path, mtime in sources.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return True
+        except OSError:
+            return True
+    return False
 
 
 def _reap(replies: dict[int, Connection]) -> None:
