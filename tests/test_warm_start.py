@@ -78,10 +78,15 @@ def test_a_timed_out_launcher_dies_with_its_ranks(tmp_path):
 
 
 def test_an_installed_distribution_or_another_environment_changes_the_import_key(tmp_path, monkeypatch):
-    site = tmp_path / "site"
+    site = tmp_path / "lib" / "site-packages"
     (site / "a-1.0.dist-info").mkdir(parents=True)
+    source = tmp_path / "checkout"  # an editable install's source folder: its listing is not an input
+    (source / "a.egg-info").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(source))
     monkeypatch.syspath_prepend(str(site))
     key = fork_server.import_key(zygote.PRELOAD)
+    assert fork_server.import_key(zygote.PRELOAD) == key
+    os.utime(source, ns=(1, 1))  # a tool wrote into the checkout
     assert fork_server.import_key(zygote.PRELOAD) == key
     os.utime(site, ns=(1, 1))  # as when a distribution is added or removed
     moved = fork_server.import_key(zygote.PRELOAD)

@@ -168,8 +168,9 @@ def stop_server() -> bool:
 
 def import_key(modules: Sequence[str], ignored_signals: Sequence[int] = ()) -> tuple:
     """What the server's imports depend on: the modules, ``sys.path``, the environment,
-    and the distributions installed (the mtime of every folder on ``sys.path`` that
-    distributions are installed into changes when one is installed or removed)."""
+    and the distributions installed (the mtime of every site-packages folder on
+    ``sys.path`` changes when one is installed or removed; an editable install's source
+    folder is not one: its files change, not its listing, and ``train/zygote.py`` watches those)."""
     paths = tuple(p or os.getcwd() for p in sys.path)
     env = tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PER_LAUNCH))
     return tuple(modules), tuple(sorted(int(s) for s in ignored_signals)), paths, _install_mtimes(paths), env
@@ -178,10 +179,10 @@ def import_key(modules: Sequence[str], ignored_signals: Sequence[int] = ()) -> t
 def _install_mtimes(paths: Sequence[str]) -> tuple:
     out = []
     for path in paths:
+        if os.path.basename(path.rstrip(os.sep)) not in ("site-packages", "dist-packages"):
+            continue  # a source tree (its listing changes as tests and tools write into it)
         try:
-            with os.scandir(path) as entries:
-                if any(e.name.endswith((".dist-info", ".egg-info", ".pth")) for e in entries):
-                    out.append((path, os.stat(path).st_mtime_ns))
+            out.append((path, os.stat(path).st_mtime_ns))
         except OSError:
             continue
     return tuple(out)
