@@ -15,6 +15,7 @@ from titan_plugins.errors import ConfigError
 from titan_plugins.train.api import run
 
 pytest.importorskip("titan_qwen3")
+pytestmark = pytest.mark.slow  # launched runs
 
 TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
         "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false", "metrics.tensorboard=false",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
@@ -22,6 +23,8 @@ from titan_plugins.components.moe import (
 from titan_plugins.distributed.expert_parallel import apply_moe_parallel
 from titan_plugins.distributed.parallel_dims import ParallelDims
 from titan_plugins.testing.gloo import run_ranks
+
+pytestmark = pytest.mark.slow  # 2- and 4-rank gloo runs: scheduled with the other multi-rank files
 
 DIM, HIDDEN, LOCAL_BATCH = 16, 8, 2
 TOL = dict(rtol=1e-5, atol=2e-6)

@@ -17,7 +17,8 @@ from titan_plugins.distributed import fork_server, launcher
 from titan_plugins.train import zygote
 from titan_plugins.train.api import run
 
-pytestmark = pytest.mark.skipif(not zygote.enabled(), reason="warm launches need Linux fork and fd passing")
+pytestmark = [pytest.mark.slow,  # launched runs
+              pytest.mark.skipif(not zygote.enabled(), reason="warm launches need Linux fork and fd passing")]
 
 TINY = ["model=tiny", "training.seq_len=32", "training.steps=2", "metrics.tensorboard=false",
         "metrics.console=false"]
