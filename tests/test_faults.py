@@ -29,7 +29,8 @@ from pathlib import Path
 import pytest
 
 from titan_plugins.plugins import get_plugin_manager
-from titan_plugins.testing.sessions import WarmJob, finish
+from titan_plugins.testing.sessions import finish
+from titan_plugins.train import zygote
 from titan_plugins.train.api import _patched_env, prepare_job, rank_env, read_result, write_config
 
 pytestmark = pytest.mark.slow
@@ -52,8 +53,9 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: 
         _, job, dims = prepare_job([*base, *overrides], pm, run_dir=run_dir)
     config = write_config(job, run_dir)
     argv = [str(config), str(dims.world_size)]
-    if not background and WarmJob.available():  # the same launcher, forked from the zygote
-        return WarmJob(argv, {**os.environ, **added})
+    warm = None if background else zygote.start_worker(argv, {**os.environ, **added})
+    if warm is not None:  # the same launcher, forked from the zygote
+        return warm
     cmd = [sys.executable, "-m", "titan_plugins.train.worker", *argv]
     if background:
         cmd = ["sh", "-c", '"$@" & echo $! >&2; wait $!', "sh", *cmd]

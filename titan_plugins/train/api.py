@@ -243,43 +243,18 @@ def run(
         return _run_claimed(job, dims, run_dir, {**added, **child_env(run_dir)}, timeout, overrides)
 
 
-def _run_warm(argv: list[str], env: dict[str, str], timeout: float | None) -> tuple | None:
-    """The launcher forked from the zygote (``train.zygote``): what ``_run_cold``
-    returns, None where no zygote serves."""
-    import tempfile
-
+def _start_worker(argv: list[str], env: dict[str, str]) -> Any:
+    """The job's launcher in a session of its own: forked from the zygote
+    (``train.zygote``), else ``python -m titan_plugins.train.worker``."""
     from titan_plugins.train import zygote
 
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        child = zygote.start(argv, env=env, stdout=out.fileno(), stderr=err.fileno())
-        if child is None:
-            return None
-        error = None
-        try:
-            code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill_group()
-            code, error = 124, f"timed out after {timeout} s"
-            child.wait()
-        out.seek(0)
-        err.seek(0)
-        return code, error, out.read(), err.read()
-
-
-def _run_cold(argv: list[str], env: dict[str, str], timeout: float | None) -> tuple:
-    """``python -m titan_plugins.train.worker`` in a session of its own."""
+    warm = zygote.start_worker(argv, env)
+    if warm is not None:
+        return warm
     cmd = [sys.executable, "-m", "titan_plugins.train.worker", *argv]
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-        return proc.returncode, None, out, err
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        return 124, f"timed out after {timeout} s", out, err
 
 
 def _run_claimed(job: DictConfig, dims: Any, run_dir: Path, added: dict[str, str], timeout: float | None,
@@ -292,12 +267,15 @@ def _run_claimed(job: DictConfig, dims: Any, run_dir: Path, added: dict[str, str
         raise ConfigError("plan=true is not supported by titan_plugins.train.api.run; use titan-run")
     nproc = dims.world_size
     proc_env = {**os.environ, **added}
-    argv = [str(config_path), str(nproc)]
-    warm = _run_warm(argv, proc_env, timeout)
-    if warm is not None:
-        code, error, out, err = warm
-    else:
-        code, error, out, err = _run_cold(argv, proc_env, timeout)
+    proc = _start_worker([str(config_path), str(nproc)], proc_env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        code, error = proc.returncode, None
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code, error = 124, f"timed out after {timeout} s"
     result = read_result(run_dir, code, error)
     if code != 0 and result.error is None:
         lines = [line for line in err.strip().splitlines() if line.strip()]

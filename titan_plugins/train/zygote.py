@@ -37,7 +37,7 @@ import threading
 import traceback
 from multiprocessing.connection import Connection, wait
 
-__all__ = ["WarmChild", "enabled", "serve", "start"]
+__all__ = ["WarmChild", "enabled", "serve", "start", "start_worker"]
 
 PRELOAD = ("titan_plugins.train.preload", "titan_plugins.train.worker")
 WARM_START_ENV = "TITAN_WARM_START"
@@ -53,10 +53,19 @@ def enabled() -> bool:
 
 
 class WarmChild:
-    """A launcher forked by the zygote: ``pid`` (its session's id), ``wait``, ``kill_group``."""
+    """A launcher forked by the zygote, with what callers use of ``Popen``: ``pid`` (its
+    session's id), ``poll``, ``wait``, ``returncode`` and, started by :func:`start_worker`,
+    ``communicate`` (its output as text)."""
 
-    def __init__(self, pid: int, conn: Connection) -> None:
+    def __init__(self, pid: int, conn: Connection, output: tuple | None = None) -> None:
         self.pid, self._conn, self.returncode = pid, conn, None
+        self._output, self._text = output, None
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
@@ -69,9 +78,31 @@ class WarmChild:
             self._conn.close()
         return self.returncode
 
-    def kill_group(self) -> None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        self.wait(timeout)
+        if self._text is None:
+            texts = []
+            for f in self._output:
+                f.seek(0)
+                texts.append(f.read())
+                f.close()
+            self._text = (texts[0], texts[1])
+        return self._text
+
+
+def start_worker(argv: list[str], env: dict[str, str]) -> WarmChild | None:
+    """:func:`start` with the launcher's output kept in temporary files for
+    ``communicate``; None where no zygote serves."""
+    import tempfile
+
+    output = (tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+"))
+    child = start(argv, env=env, stdout=output[0].fileno(), stderr=output[1].fileno())
+    if child is None:
+        for f in output:
+            f.close()
+        return None
+    child._output = output
+    return child
 
 
 def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> WarmChild | None:
