@@ -120,7 +120,7 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
     from titan_plugins.distributed.launcher import launch
     from titan_plugins.failures import ERROR_FILE, clear_error_file
     from titan_plugins.train.api import write_config
-    from titan_plugins.train.worker import RANK_PRELOAD, entry, forwarded_signals
+    from titan_plugins.train.worker import entry, forwarded_signals, rank_preload
 
     config_path = write_config(job, run_dir)
     if job.plan.enabled:
@@ -128,9 +128,11 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
     clear_error_file(run_dir)
     if job.fault_tolerance.enable:  # replica groups under a torchft lighthouse
         from titan_plugins.distributed.ft_supervisor import launch_replicas
+        from titan_plugins.train import zygote
 
-        return launch_replicas(job, run_dir, dims.world_size, write_config)
-    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=RANK_PRELOAD,
+        # the groups (and a restarted group) fork from one warm process: ~7 s of CPU each otherwise
+        return launch_replicas(job, run_dir, dims.world_size, write_config, start_worker=zygote.start)
+    return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=rank_preload(spec),
                   forward=forwarded_signals(job))
 
 

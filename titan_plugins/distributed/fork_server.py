@@ -97,7 +97,8 @@ def ensure_server() -> None:
 
 def _fork_server_here() -> None:
     """What ``forkserver.ensure_running`` does, with ``os.fork`` for its ``python -c``: the
-    server starts with everything this process imported, and none of its open files."""
+    server starts with everything this process imported, and none of its open files, and
+    imports what of the launch's preload this process has not (a model's ``rank_imports``)."""
     from multiprocessing import connection, forkserver, resource_tracker
 
     from titan_plugins.distributed import _server_env
@@ -109,6 +110,8 @@ def _fork_server_here() -> None:
     os.chmod(address, 0o600)
     listener.listen()
     alive_r, alive_w = os.pipe()
+    server = forkserver._forkserver
+    preload = [m for m in getattr(server, "_preload_modules", ()) if m != "__main__"]
     pid = os.fork()
     if pid == 0:
         code = 0
@@ -116,7 +119,7 @@ def _fork_server_here() -> None:
             os.close(alive_w)
             _close_fds_except({0, 1, 2, listener.fileno(), alive_r})
             _server_env.STARTED_WITH = dict(os.environ)
-            forkserver.main(listener.fileno(), alive_r, [])
+            forkserver.main(listener.fileno(), alive_r, preload)
         except SystemExit:
             pass
         except BaseException:  # noqa: BLE001 - the server dies; the launch reports it
@@ -124,7 +127,6 @@ def _fork_server_here() -> None:
         os._exit(code)
     listener.close()
     os.close(alive_r)
-    server = forkserver._forkserver
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 

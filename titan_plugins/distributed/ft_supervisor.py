@@ -2,8 +2,9 @@
 
 ``launch_replicas`` starts torchft's lighthouse (unless ``fault_tolerance.lighthouse``
 names a shared one; its output in ``<run_dir>/lighthouse.log``), then each of the
-``replica_groups`` groups as its own job (``python -m titan_plugins.train.worker``: its
-own torch elastic launch, rendezvous port and process tree) in ``<run_dir>/replica-<i>``.
+``replica_groups`` groups as its own job (``python -m titan_plugins.train.worker``, or
+a fork of a warm process that imported it, ``start_worker``: its own torch elastic
+launch, rendezvous port and process tree) in ``<run_dir>/replica-<i>``.
 It watches them: a group that dies is one line ("replica 1 lost at step 4 (killed by
 SIGKILL); 1 of 2 replicas training; restarting it (1/3)") and is started again while its
 ``max_restarts`` last; a group that heals is one line (read from the quorum log the
@@ -43,6 +44,8 @@ from titan_plugins.failures import INTERRUPTED, write_error_file
 __all__ = ["launch_replicas", "steps_by_participants", "summary_line"]
 
 LIGHTHOUSE_LOST_EXIT = 1
+# (launcher argv, *, env, stdout fd, stderr fd) -> a Popen-like (pid, poll, wait, returncode) or None
+StartWorker = Callable[..., Any]
 
 
 # ------------------------------------------------------------------ the quorum log
@@ -77,24 +80,45 @@ def summary_line(counts: dict[int, int], groups: int) -> str:
 class _Group:
     """One replica group's job: its process, its output, its restarts."""
 
-    def __init__(self, replica: int, config: Path, nproc: int, env: dict[str, str]) -> None:
+    def __init__(self, replica: int, config: Path, nproc: int, env: dict[str, str],
+                 start_worker: StartWorker | None = None) -> None:
         self.replica, self.config, self.nproc, self.env = replica, config, nproc, env
+        self.start_worker = start_worker
         self.restarts, self.proc, self.last_error = 0, None, ""
         self.finished = self.gone = False
         self.joined = True  # a restarted group: healed from, or trained with, a live peer
         self.log = config.parent / "console.log"
 
     def start(self, console: Callable[[int], bool]) -> None:
-        cmd = [sys.executable, "-m", "titan_plugins.train.worker", str(self.config), str(self.nproc)]
-        self.proc = subprocess.Popen(cmd, env={**self.env, START_ENV: str(self.restarts)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, bufsize=1, start_new_session=True)
+        argv, env = [str(self.config), str(self.nproc)], {**self.env, START_ENV: str(self.restarts)}
+        streams = self._start_warm(argv, env) if self.start_worker is not None else None
+        if streams is None:
+            self.proc = subprocess.Popen([sys.executable, "-m", "titan_plugins.train.worker", *argv], env=env,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
+                                         start_new_session=True)
+            streams = (self.proc.stdout, self.proc.stderr)
         log = open(self.log, "a")  # noqa: SIM115 - closed by the last pump
         log.write(f"--- replica {self.replica}, start {self.restarts + 1} ---\n")
-        pumps = [threading.Thread(target=self._pump, args=(self.proc.stdout, log, console, False), daemon=True),
-                 threading.Thread(target=self._pump, args=(self.proc.stderr, log, console, True), daemon=True)]
+        pumps = [threading.Thread(target=self._pump, args=(streams[0], log, console, False), daemon=True),
+                 threading.Thread(target=self._pump, args=(streams[1], log, console, True), daemon=True)]
         self.pumps = pumps
         for t in pumps:
             t.start()
+
+    def _start_warm(self, argv: list[str], env: dict[str, str]) -> tuple[Any, Any] | None:
+        """The group's launcher forked by ``start_worker`` (its output on pipes read here);
+        None where it cannot serve."""
+        pipes = [os.pipe(), os.pipe()]
+        try:
+            self.proc = self.start_worker(argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1])
+        finally:
+            for _, write in pipes:
+                os.close(write)
+        if self.proc is None:
+            for read, _ in pipes:
+                os.close(read)
+            return None
+        return tuple(open(read, buffering=1, errors="replace") for read, _ in pipes)  # noqa: SIM115 - read to EOF by the pumps
 
     def _pump(self, stream: Any, log: Any, console: Callable[[int], bool], errors: bool) -> None:
         for line in stream:
@@ -196,9 +220,12 @@ class _Interrupted(Exception):
         self.sig = sig
 
 
-def launch_replicas(job: Any, run_dir: Path, nproc: int, write_group_config: Callable[[Any, Path], Path]) -> int:
+def launch_replicas(job: Any, run_dir: Path, nproc: int, write_group_config: Callable[[Any, Path], Path],
+                    start_worker: StartWorker | None = None) -> int:
     """Run the job as ``fault_tolerance.replica_groups`` groups of ``nproc`` ranks;
-    returns its exit code (0: the last step was committed)."""
+    returns its exit code (0: the last step was committed). ``start_worker(argv, *, env,
+    stdout, stderr)``: forks a group's launcher from a warm process (``train.zygote.start``),
+    None where it cannot; without it, or when it cannot, each group is a new interpreter."""
     from omegaconf import OmegaConf
 
     ft = job.fault_tolerance
@@ -219,7 +246,7 @@ def launch_replicas(job: Any, run_dir: Path, nproc: int, write_group_config: Cal
             group_job.run_dir = str(run_dir / f"replica-{i}")
             group_job.fault_tolerance.replica_id = i
             group_job.fault_tolerance.lighthouse = address
-            groups.append(_Group(i, write_group_config(group_job, Path(group_job.run_dir)), nproc, env))
+            groups.append(_Group(i, write_group_config(group_job, Path(group_job.run_dir)), nproc, env, start_worker))
         print(f"fault_tolerance=torchft: {len(groups)} replica groups x {nproc} rank{'s' * (nproc > 1)}, "
               f"min_replicas {ft.min_replicas}, lighthouse {address}"
               f"{' (started with the job)' if lighthouse else ''}; quorums in {quorum_log}", flush=True)

@@ -25,10 +25,27 @@ from titan_plugins.failures import record_failure
 if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["RANK_PRELOAD", "entry", "forwarded_signals", "load_job", "main", "record_failure", "run_rank"]
+__all__ = ["RANK_PRELOAD", "entry", "forwarded_signals", "load_job", "main", "rank_preload", "record_failure",
+           "run_rank"]
 
 # Imported once by the launcher's fork server for every rank (titan_plugins/train/preload.py).
 RANK_PRELOAD = ("titan_plugins.train.preload",)
+
+
+def rank_preload(spec: ModelSpec | None) -> tuple[str, ...]:
+    """What the fork server imports for a job of ``spec``: the core's modules and the
+    model's ``rank_imports`` (``transformers`` for model=hf)."""
+    return (*RANK_PRELOAD, *(spec.rank_imports if spec is not None else ()))
+
+
+def _job_spec(job: DictConfig) -> ModelSpec | None:
+    """The job's model, if the plugins load here (a rank that cannot load them reports why)."""
+    from titan_plugins.plugins import get_plugin_manager
+
+    try:
+        return get_plugin_manager().get_model(str(job.model.name))
+    except Exception:  # noqa: BLE001 - see the docstring
+        return None
 
 
 def load_job(path: str | os.PathLike) -> DictConfig:
@@ -145,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
 
     config_path, nproc = argv[0], int(argv[1])
     try:
+        job = load_job(config_path)
         return launch(config_path, nproc, entry, error_file=Path(config_path).parent / ERROR_FILE,
-                      preload=RANK_PRELOAD, forward=forwarded_signals(load_job(config_path)))
+                      preload=rank_preload(_job_spec(job)), forward=forwarded_signals(job))
     except TitanError as exc:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

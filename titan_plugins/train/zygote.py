@@ -5,9 +5,10 @@ A launcher started from scratch imports torch (~1.5 s of CPU) and then starts th
 ranks' fork server, a second interpreter that imports torch, torch._dynamo, the
 trainer and the plugins (~6 s). A process that runs many short jobs (a test suite, a
 sweep written in Python, a notebook) paid that for every job. The zygote imports all
-of it once, then forks a launcher per job; the launcher forks the ranks' fork server
-from itself (``fork_server.fork_from_self``), so a job's ranks start from the same
-imports without a new interpreter.
+of it once, with the installed models' ``rank_imports`` (transformers for model=hf),
+then forks a launcher per job; the launcher forks the ranks' fork server from itself
+(``fork_server.fork_from_self``), so a job's ranks start from the same imports
+without a new interpreter.
 
 Each launcher starts as a fresh ``python -m titan_plugins.train.worker`` would: its own
 session (killed as a group on timeout), the caller's environment, working directory
@@ -36,10 +37,12 @@ import sys
 import threading
 import traceback
 from multiprocessing.connection import Connection, wait
+from typing import Any
 
-__all__ = ["WarmChild", "enabled", "serve", "start", "start_worker"]
+__all__ = ["WarmChild", "enabled", "popen_module", "serve", "start", "start_worker"]
 
-PRELOAD = ("titan_plugins.train.preload", "titan_plugins.train.worker")
+WORKER = "titan_plugins.train.worker"
+PRELOAD = ("titan_plugins.train.preload", WORKER)
 WARM_START_ENV = "TITAN_WARM_START"
 STALE = "stale"  # the zygote's answer when a source file it imported changed since
 
@@ -66,6 +69,14 @@ class WarmChild:
             return self.wait(0)
         except subprocess.TimeoutExpired:
             return None
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
@@ -105,20 +116,32 @@ def start_worker(argv: list[str], env: dict[str, str]) -> WarmChild | None:
     return child
 
 
-def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> WarmChild | None:
-    """Fork ``titan_plugins.train.worker.main(argv)`` from the zygote with ``env`` and this
+def popen_module(module: str, argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> Any:
+    """``python -m module *argv`` in a session of its own, its output on the ``stdout`` /
+    ``stderr`` fds: forked from the zygote (a :class:`WarmChild`), else a ``Popen``. For
+    processes that train with what the zygote imported (the test kit's ranks)."""
+    child = start(argv, env=env, stdout=stdout, stderr=stderr, module=module)
+    if child is not None:
+        return child
+    return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=stdout, stderr=stderr,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def start(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int, module: str = WORKER) -> WarmChild | None:
+    """Fork ``python -m module *argv`` (by default the job launcher,
+    ``titan_plugins.train.worker.main(argv)``) from the zygote with ``env`` and this
     process's working directory, its output on the ``stdout`` / ``stderr`` fds; None where
-    no zygote can serve (the caller starts the worker itself)."""
+    no zygote can serve (the caller starts the process itself)."""
     if not enabled():
         return None
     for _ in range(2):  # a zygote whose sources changed on disk exits: a new one serves
-        child = _request(argv, env, stdout, stderr)
+        child = _request(module, argv, env, stdout, stderr)
         if child != STALE:
             return child
     return None
 
 
-def _request(argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> WarmChild | str | None:
+def _request(module: str, argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> WarmChild | str | None:
     from titan_plugins.distributed.fork_server import import_key
 
     with _lock:
@@ -140,7 +163,7 @@ def _request(argv: list[str], env: dict[str, str], stdout: int, stderr: int) -> 
             theirs.close()
     conn = Connection(mine.detach())
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    conn.send((list(argv), dict(env), os.getcwd(), paths))
+    conn.send((module, list(argv), dict(env), os.getcwd(), paths))
     try:
         pid = conn.recv()
     except EOFError:
@@ -190,6 +213,7 @@ def serve(control_fd: int) -> None:
     socket closes."""
     for module in PRELOAD:
         importlib.import_module(module)
+    _import_rank_modules()
     sources = _source_mtimes()
     gc.freeze()
     control = socket.socket(fileno=control_fd)
@@ -251,6 +275,21 @@ def serve(control_fd: int) -> None:
                 _reap(replies)
 
 
+def _import_rank_modules() -> None:
+    """The ``rank_imports`` of every installed model (``transformers`` for model=hf):
+    every launcher forked from here, and its ranks, start with them. A model that does
+    not load, or a module that does not import, is left to the rank to report."""
+    from titan_plugins.plugins import get_plugin_manager
+
+    try:
+        specs = list(get_plugin_manager().models().values())
+    except Exception:  # noqa: BLE001 - see the docstring
+        return
+    for module in dict.fromkeys(m for spec in specs for m in spec.rank_imports):
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+
+
 def _source_mtimes() -> dict[str, int]:
     """The source files of the modules imported here that live outside the installation
     folders (an editable install, a plugin on PYTHONPATH): those a developer edits. What
@@ -293,10 +332,11 @@ def _reap(replies: dict[int, Connection]) -> None:
 
 
 def _launcher(request: tuple, stdout: int, stderr: int, keep_closed: list[int]) -> None:
-    """The forked launcher: become what ``python -m titan_plugins.train.worker`` would be."""
+    """The forked child: become what ``python -m titan_plugins.train.worker`` (or the
+    requested module) would be."""
     code = 1
     try:
-        argv, env, cwd, paths = request
+        module, argv, env, cwd, paths = request
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
@@ -319,10 +359,16 @@ def _launcher(request: tuple, stdout: int, stderr: int, keep_closed: list[int]) 
         from titan_plugins.distributed import fork_server
         from titan_plugins.train import worker
 
-        sys.argv = [worker.__file__, *argv]
-
         fork_server.fork_from_self()
-        code = worker.main(list(argv))
+        if module == WORKER:  # its main, not a __main__ copy: the ranks unpickle worker.entry by name
+            sys.argv = [worker.__file__, *argv]
+            code = worker.main(list(argv))
+        else:
+            import runpy
+
+            sys.argv = [module, *argv]  # runpy puts the module's file first
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
+            code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:  # noqa: BLE001 - the launcher's own crash, as python would print it

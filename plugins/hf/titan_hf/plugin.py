@@ -31,6 +31,10 @@ def titan_register_models(register):
             # structure cannot take (no TP plan, no EP plan or no experts, tied + PP).
             capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
             description="any decoder-only causal LM of the installed transformers 5.x (docs/hf-matrix.md)",
+            # transformers' shared modules (~4 s of CPU): imported once by the fork server
+            rank_imports=("transformers", "transformers.modeling_utils", "transformers.modeling_layers",
+                          "transformers.masking_utils", "transformers.core_model_loading",
+                          "transformers.conversion_mapping"),
         )
     )
 

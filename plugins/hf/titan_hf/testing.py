@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -77,10 +75,12 @@ def train_in_one_launch(work: str | Path, *, world: int, alone: Mapping[str, Seq
 
     The ranks are the core's loss-parity ranks (``titan_plugins.testing.conformance._parity_ranks``):
     rank 0 trains the ``alone`` jobs first, then all ranks train the others in turn with the
-    core's ``Trainer``; torch, transformers and the plugins import once per rank."""
+    core's ``Trainer``; the ranks fork from the warm process that launches jobs
+    (``train.zygote``): torch, transformers and the plugins import once."""
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
     from titan_plugins.train.run_files import write_config
+    from titan_plugins.train.zygote import popen_module
 
     alone, ranks = dict(alone or {}), dict(ranks or {})
     work = Path(work)
@@ -94,19 +94,17 @@ def train_in_one_launch(work: str | Path, *, world: int, alone: Mapping[str, Seq
                        {"base": None, "cases": [[n, str(configs[n])] for n in ranks]}]}
     plan_path = work / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    (work / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (testing.gloo.rendezvous_store)
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # this interpreter's imports, test dirs included
-    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1",
            "WORLD_SIZE": str(world), "PYTHONPATH": os.pathsep.join(paths)}
     procs = []
     for rank in range(world):
         (work / f"results-rank{rank}.jsonl").unlink(missing_ok=True)
-        with open(work / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "titan_plugins.testing.conformance._parity_ranks", str(plan_path)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT))
+        with open(work / f"rank{rank}.log", "w") as log:  # forked warm where it can (train.zygote)
+            procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=log.fileno(), stderr=log.fileno()))
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.returncode not in (None, 0) for p in procs):

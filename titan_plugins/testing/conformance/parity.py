@@ -5,7 +5,9 @@ rank, as ``titan-compare`` does) and sees the same global batch of 4 sequences.
 
 Hydra composes and the core validates every run here, before any rank starts; the
 runs then share one launched 2-rank job (``_parity_ranks``), so asking for several
-cases costs one start of the interpreters, not one per run.
+cases costs one start of the ranks, not one per run; the ranks fork from the warm
+process that launches jobs (``train.zygote``), which imported torch, the trainer and
+the installed plugins once.
 """
 
 from __future__ import annotations
@@ -13,8 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -24,6 +24,7 @@ from pathlib import Path
 from titan_plugins.testing.conformance.contract import CheckResult, ContractError, one_line, tail
 from titan_plugins.testing.conformance.session import Outcome, Session, open_session
 from titan_plugins.testing.conformance.target import Target
+from titan_plugins.train.zygote import popen_module
 
 __all__ = ["PARITY_BASE", "PARITY_CASES", "TRAIN_OVERRIDES", "check_loss_parity", "run_parity_checks"]
 
@@ -184,11 +185,10 @@ def _launch(session: Session, todo: list[_Group], base_dir: Path, attempt: int, 
     logs = [base_dir / f"parity-rank{r}-{attempt}.log" for r in range(2)]
     procs = []
     for rank in range(2):
-        with open(logs[rank], "w") as log:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "titan_plugins.testing.conformance._parity_ranks", str(plan_path)],
-                env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)}, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True))
+        with open(logs[rank], "w") as log:  # forked warm where it can (train.zygote): no imports per rank
+            procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=log.fileno(), stderr=log.fileno()))
     deadline, timed_out = time.monotonic() + limit, False
     try:
         while any(p.poll() is None for p in procs):
