@@ -19,6 +19,7 @@ from titan_plugins.testing.conformance import (
     ContractError,
     Session,
     Target,
+    check_loss_parity,
     check_parallelize,
     check_plugin_import,
     check_state_dict,
@@ -129,3 +130,18 @@ def test_stage_inputs_naming_no_model_method_fails_pipeline_split(tmp_path, monk
     message = str(info.value)
     assert message.startswith("pipeline-split: PipelineInfo.stage_inputs='doc_ids_for' is not a method of the model")
     assert "Fix: define it as (tokens) -> dict[str, Tensor]" in message
+
+
+@pytest.mark.slow
+def test_cp_declared_by_a_model_whose_attention_sees_only_its_rows_fails_loss_parity(tmp_path, monkeypatch):
+    # The scaffold's attention is its own SDPA over the rows a rank holds, its rotary table
+    # indexed from 0: under cp=2 each rank attends within its half at the wrong positions.
+    target = _broken(tmp_path, monkeypatch, "kitcp", "plugin.py", "Capabilities(fsdp=True, tp=True, pp=True)",
+                     "Capabilities(fsdp=True, tp=True, pp=True, cp=True)")
+    with pytest.raises(ContractError) as info:
+        check_loss_parity(target, "cp", run_dir=tmp_path / "runs")
+    message = str(info.value)
+    # (step 1 may still agree: at initialisation the logits hardly depend on attention)
+    assert message.startswith("loss-parity: step ") and " under cp (2 ranks) vs " in message, message
+    assert "\n" not in message.split("Fix:")[0].strip()
+    assert "cp_attention.rope_rows" in message

@@ -63,6 +63,7 @@ def test_the_scaffold_passes_the_single_process_checks(tmp_path, monkeypatch):
         assert check(session) is None, check.__name__
     # loss parity: EP is skipped with the reason when the model does not declare it (no run starts)
     assert kit.check_loss_parity(session, "ep") == "model 'kitgood' does not declare ep"
+    assert kit.check_loss_parity(session, "cp") == "model 'kitgood' does not declare cp"
     assert session.workdir is None
 
 

@@ -94,6 +94,9 @@ def test_an_installed_distribution_or_another_environment_changes_the_import_key
     assert moved != key
     monkeypatch.setenv("PYTEST_CURRENT_TEST", "another test")  # changes every test: not an import's input
     assert fork_server.import_key(zygote.PRELOAD) == moved
+    monkeypatch.setenv("TITAN_RENDEZVOUS_TIMEOUT", "5")  # the project's own variables are read at run time
+    monkeypatch.setenv("TITAN_PLUGINS_EXTRA", "tiny_plugin")  # its modules load in each job, never preloaded
+    assert fork_server.import_key(zygote.PRELOAD) == moved
     monkeypatch.setenv("TORCH_LOGS", "+dynamo")
     assert fork_server.import_key(zygote.PRELOAD) != moved
 
@@ -104,7 +107,7 @@ def test_an_installed_distribution_or_another_environment_changes_the_import_key
 def probe_entry(config_path: str) -> None:
     """A rank that records what it started with next to ``config_path``."""
     record = {"cwd": os.getcwd(), "server": os.getppid(), "failure_dir": os.environ.get(launcher.FAILURE_DIR_ENV),
-              "extra": os.environ.get("TITAN_WARM_TEST")}
+              "extra": os.environ.get("TITAN_WARM_TEST"), "other": os.environ.get("WARM_TEST_OTHER")}
     Path(config_path).with_name(f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
 
 
@@ -117,16 +120,19 @@ def test_launches_of_one_process_reuse_the_fork_server_unless_the_environment_ch
         return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(2)]
 
     try:
-        first, second = launch("one"), launch("two")
-        monkeypatch.setenv("TITAN_WARM_TEST", "set")
+        first = launch("one")
+        monkeypatch.setenv("TITAN_WARM_TEST", "set")  # the project's own: read at run time, never at import
+        second = launch("two")
+        monkeypatch.setenv("WARM_TEST_OTHER", "set")  # anyone's: it might be read at import
         third = launch("three")
     finally:
         fork_server.stop_server()
     assert {r["server"] for r in first} == {r["server"] for r in second}  # kept
     assert {r["cwd"] for r in second} == {str(tmp_path / "two")}
     assert first[0]["failure_dir"] != second[0]["failure_dir"]  # each launch's own
+    assert {r["extra"] for r in second} == {"set"} and {r["extra"] for r in first} == {None}
     assert {r["server"] for r in third}.isdisjoint(r["server"] for r in first)  # a new one
-    assert {r["extra"] for r in third} == {"set"} and {r["extra"] for r in second} == {None}
+    assert {r["other"] for r in third} == {"set"} and {r["other"] for r in second} == {None}
 
 
 def test_a_source_edited_after_the_zygote_started_gets_a_new_zygote(tmp_path):

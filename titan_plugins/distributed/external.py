@@ -31,7 +31,7 @@ __all__ = ["RENDEZVOUS_FILE", "TRAINER_STEPS", "RankSteps", "launch_token", "pub
 
 RENDEZVOUS_FILE = ".titan-rendezvous"
 FAILURES = ".titan-failures"  # the step's ranks' failure records (failures.py)
-WAIT_S = float(os.environ.get("TITAN_RENDEZVOUS_TIMEOUT", "300"))
+WAIT_ENV = "TITAN_RENDEZVOUS_TIMEOUT"  # seconds; read per call, never at import (train/zygote.py)
 # The trainer, named not imported: distributed/ sits below train/ (docs/architecture.md).
 TRAINER_STEPS = "titan_plugins.train.run_files:RANK_STEPS"
 
@@ -64,8 +64,11 @@ def publish(run_dir: str | os.PathLike, token: str, addr: str, port: str) -> Non
     os.replace(tmp, path)
 
 
-def wait_published(run_dir: str | os.PathLike, token: str, timeout: float = WAIT_S) -> dict[str, str]:
-    """What rank 0 published for ``token``; a ``ConfigError`` after ``timeout`` seconds."""
+def wait_published(run_dir: str | os.PathLike, token: str, timeout: float | None = None) -> dict[str, str]:
+    """What rank 0 published for ``token``; a ``ConfigError`` after ``timeout`` seconds
+    (``TITAN_RENDEZVOUS_TIMEOUT``, 300 by default)."""
+    if timeout is None:
+        timeout = float(os.environ.get(WAIT_ENV, "300"))
     path = Path(run_dir) / RENDEZVOUS_FILE
     deadline = time.monotonic() + timeout
     while True:

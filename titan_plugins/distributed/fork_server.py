@@ -32,8 +32,11 @@ __all__ = ["RankEntry", "ensure_server", "fork_from_self", "import_key", "server
 # sys.path is set up, so that the ranks and their children see the launcher's environment.
 SERVER_ENV_SAVED = "TITAN_FORKSERVER_SAVED_ENV"
 # Variables that change from launch to launch without changing what the server imports:
-# handed to the ranks (RankEntry), not a reason for a new server.
-_PER_LAUNCH = frozenset({"PYTEST_CURRENT_TEST", "TITAN_FAILURE_DIR"})  # failures.FAILURE_DIR_ENV
+# handed to the ranks (RankEntry), not a reason for a new server. The project's own
+# ``TITAN_*`` variables are read when a job runs, never at import (keep it so; the
+# preload imports installed plugins only, not ``TITAN_PLUGINS_EXTRA``'s modules).
+_PER_LAUNCH = frozenset({"PYTEST_CURRENT_TEST"})
+_PER_LAUNCH_PREFIX = "TITAN_"
 
 _running_key: tuple | None = None  # what the running server was started for
 _fork_from_self = False  # this process is as clean as a new server would be (train/zygote.py)
@@ -174,7 +177,8 @@ def import_key(modules: Sequence[str], ignored_signals: Sequence[int] = ()) -> t
     ``sys.path`` changes when one is installed or removed; an editable install's source
     folder is not one: its files change, not its listing, and ``train/zygote.py`` watches those)."""
     paths = tuple(p or os.getcwd() for p in sys.path)
-    env = tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PER_LAUNCH))
+    env = tuple(sorted((k, v) for k, v in os.environ.items()
+                       if k not in _PER_LAUNCH and not k.startswith(_PER_LAUNCH_PREFIX)))
     return tuple(modules), tuple(sorted(int(s) for s in ignored_signals)), paths, _install_mtimes(paths), env
 
 

@@ -16,12 +16,15 @@ OS and published in the call's folder: ``rendezvous_store``), joins a gloo proce
 or dies ends the call with one :class:`RankFailure` naming the first failing rank with
 its traceback, and the other ranks are killed.
 
-Ranks fork from ``multiprocessing``'s fork server, which imports torch and ``fn``'s
-module once (a spawned rank re-imports them: ~3-5 s of CPU each). The server outlives
-the call, so later calls in the same process fork from it too, and a forked rank
-inherits the *server's* environment: hence the caller's environment is handed over
-and installed first. ``fn`` must be a module-level function whose module imports
-outside pytest (the server and the ranks import it by name).
+Ranks fork from the warm process that launches jobs (``train.zygote``: it imported
+torch, DTensor, DCP, the trainer and every installed plugin, transformers for
+model=hf, once), else from ``multiprocessing``'s fork server, which imports torch and
+``fn``'s module once (a spawned rank re-imports them: ~3-5 s of CPU each, the trainer
+and the plugins as much again). Either outlives the call, so later calls in the same
+process fork from it too, and a forked rank inherits the *server's* environment: hence
+the caller's environment is handed over and installed first. ``fn`` must be a
+module-level function whose module imports outside pytest (the ranks import it by
+name, with the caller's ``sys.path``).
 
 This module imports nothing heavy; torch loads on the first call.
 """
@@ -62,28 +65,28 @@ def run_ranks(
     *args: Any,
     timeout: float = 300.0,
     threads: int = 1,
-    start_method: str = "forkserver",
+    start_method: str = "warm",
 ) -> list[Any]:
     """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each on its own
     gloo rank with ``threads`` torch threads; ``timeout`` (seconds) bounds the run.
 
-    ``start_method="fork"`` forks the ranks from the caller itself: cheaper where
-    they need what the caller has already loaded (plugins, a composed Hydra config),
-    safe only while the caller runs no threads of its own (no process group)."""
+    ``start_method``: ``"warm"`` (forked from ``train.zygote`` where it runs, else
+    ``"forkserver"``), ``"forkserver"``, or ``"fork"``: forked from the caller itself,
+    cheaper where they need what the caller has already loaded (a composed Hydra
+    config), safe only while the caller runs no threads of its own (no process group)."""
     if "<" in fn.__qualname__:  # <lambda>, <locals>: the ranks could not import it
         raise ValueError(f"run_ranks needs a module-level function, got {fn.__qualname__}")
-    ctx = _context(start_method, fn.__module__)
     out = tempfile.mkdtemp(prefix="titan-ranks-")
     env = dict(os.environ)  # now, not the fork server's (it may predate a monkeypatch)
-    procs: list[BaseProcess] = []
+    procs: list[Any] = []
     try:
         for rank in range(world):
-            proc = ctx.Process(
-                target=_rank_main,
-                args=((fn.__module__, fn.__qualname__), rank, world, args, env, threads, out),
-                name=f"rank{rank}",
-            )
-            proc.start()
+            rank_args = ((fn.__module__, fn.__qualname__), rank, world, args, env, threads, out)
+            proc = _start_warm(rank_args, out) if start_method == "warm" else None
+            if proc is None:
+                ctx = _context("forkserver" if start_method == "warm" else start_method, fn.__module__)
+                proc = ctx.Process(target=_rank_main, args=rank_args, name=f"rank{rank}")
+                proc.start()
             procs.append(proc)
         first_bad, timed_out = _wait(procs, timeout)
         _stop(procs)
@@ -98,6 +101,44 @@ def run_ranks(
     finally:
         _stop(procs)
         shutil.rmtree(out, ignore_errors=True)
+
+
+class _WarmRank:
+    """A rank forked by the zygote, with what this module uses of ``Process``."""
+
+    def __init__(self, child: Any) -> None:
+        self.child, self.sentinel = child, child._conn
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.child.poll()
+
+    def is_alive(self) -> bool:
+        return self.child.poll() is None
+
+    def join(self) -> None:
+        self.child.wait()
+
+    def kill(self) -> None:
+        self.child.kill()
+
+
+def _start_warm(rank_args: tuple, out: str) -> _WarmRank | None:
+    """``python -m titan_plugins.testing.gloo ARGS`` forked from the zygote, with the
+    caller's ``sys.path`` (the test folders that hold ``fn``'s module); None where no
+    zygote serves."""
+    from titan_plugins.train import zygote
+
+    rank = rank_args[1]
+    path = Path(out, f"args-{rank}.pkl")
+    try:
+        path.write_bytes(pickle.dumps(rank_args))
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return None  # arguments only a multiprocessing pickler takes: the fork server's way
+    paths = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    child = zygote.start([str(path)], env={**rank_args[4], "PYTHONPATH": paths},
+                         stdout=1, stderr=2, module=__name__)
+    return _WarmRank(child) if child is not None else None
 
 
 def _context(method: str, module: str) -> multiprocessing.context.BaseContext:
@@ -241,3 +282,7 @@ def _save(out: str, rank: int, record: tuple) -> None:
 def _load(out: str, rank: int) -> tuple | None:
     path = Path(out, f"rank-{rank}.pkl")
     return pickle.loads(path.read_bytes()) if path.is_file() else None
+
+
+if __name__ == "__main__":  # a rank forked warm (_start_warm): its arguments in a file
+    _rank_main(*pickle.loads(Path(sys.argv[1]).read_bytes()))

@@ -49,8 +49,9 @@ class ConformanceSuite:
         ep_overrides: extra overrides for the EP check (e.g. a flavor with experts).
         pp_overrides: extra overrides for the pipeline checks (e.g. untied embeddings).
         persistent_buffers: buffer names that really are state (kept in state_dict).
-        parity: which 2-rank gloo runs must match one rank: ``fsdp``, ``tp``, ``ep``
-            (run together in one launched job; a case the model does not declare skips).
+        parity: which 2-rank gloo runs must match one rank: ``fsdp``, ``tp``, ``ep``,
+            ``cp`` (context parallel: the sequence split over the 2 ranks), run together
+            in one launched job; a case the model does not declare skips, saying so.
         train_overrides: the overrides of those short runs.
     """
 
@@ -60,7 +61,7 @@ class ConformanceSuite:
     ep_overrides: ClassVar[Sequence[str]] = ()
     pp_overrides: ClassVar[Sequence[str]] = ()
     persistent_buffers: ClassVar[Sequence[str]] = ()
-    parity: ClassVar[Sequence[str]] = ("fsdp", "tp", "ep")
+    parity: ClassVar[Sequence[str]] = ("fsdp", "tp", "ep", "cp")
     train_overrides: ClassVar[Sequence[str]] = c.TRAIN_OVERRIDES
 
     @classmethod
@@ -135,7 +136,7 @@ class ConformanceSuite:
 
     # --------------------------------------------------- loss parity (gloo)
     @pytest.mark.titan_slow
-    @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep"])
+    @pytest.mark.parametrize("kind", ["fsdp", "tp", "ep", "cp"])
     def test_loss_parity(self, titan_session: c.Session | c.Target, kind: str) -> None:
         if kind not in self.parity:
             pytest.skip(f"{kind} is not in {type(self).__name__}.parity")

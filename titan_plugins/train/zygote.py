@@ -279,8 +279,9 @@ def _import_rank_modules() -> None:
     """The ``rank_imports`` of every installed model (``transformers`` for model=hf):
     every launcher forked from here, and its ranks, start with them. A model that does
     not load, or a module that does not import, is left to the rank to report."""
-    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.plugins import ENV_EXTRA, get_plugin_manager
 
+    os.environ.pop(ENV_EXTRA, None)  # installed models only: each launch loads its extra modules itself
     try:
         specs = list(get_plugin_manager().models().values())
     except Exception:  # noqa: BLE001 - see the docstring

@@ -33,13 +33,17 @@ PARITY_CASES: dict[str, tuple[str, ...]] = {
     "fsdp": ("parallelism=fsdp2", "training.local_batch_size=2"),
     "tp": ("parallelism=tp2", "training.local_batch_size=4"),
     "ep": ("parallelism=fsdp2_ep2", "training.local_batch_size=2"),
+    # the sequence split in 2 load-balanced halves: the 4 rows whole on each rank
+    "cp": ("parallelism=cp2", "training.local_batch_size=4"),
 }
 PARITY_BASE = ("parallelism=single", "training.local_batch_size=4")
 TRAIN_OVERRIDES = ("training.steps=3", "training.seq_len=32", "training.warmup_steps=1",
                    "training.deterministic=true", "metrics.tensorboard=false", "metrics.console=false")
 _FIX = ("a parallelism must not change the math: check the TP plan's layouts (row-wise outputs, norms under "
         "sequence parallel, replicated modules wrapped), the expert-parallel dispatch (apply_moe_parallel_to_blocks), "
-        "that nothing depends on the local batch or sequence size, and compare the runs with `titan-compare`")
+        "under cp the attention through components.attention.attend and the rotary table through "
+        "cp_attention.rope_rows (global positions), that nothing depends on the local batch or sequence size, "
+        "and compare the runs with `titan-compare`")
 
 
 @dataclass
@@ -103,7 +107,7 @@ def check_loss_parity(
     target: Target | Session, kind: str = "fsdp", *, run_dir: str | os.PathLike | None = None,
     train_overrides: Sequence[str] = TRAIN_OVERRIDES, timeout: float = 300.0, together: Sequence[str] = (),
 ) -> CheckResult:
-    """A short gloo run at 2 ranks (``fsdp``, ``tp`` or ``ep``) gives the single-rank
+    """A short gloo run at 2 ranks (``fsdp``, ``tp``, ``ep`` or ``cp``) gives the single-rank
     loss at every step within ``LOSS_PARITY``. ``together`` names other cases to run
     in the same launched job (their outcomes stay in the session for later calls)."""
     outcome = run_parity_checks(target, (kind, *together), run_dir=run_dir, train_overrides=train_overrides,
