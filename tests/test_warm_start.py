@@ -60,6 +60,25 @@ def test_jobs_share_the_zygote_and_each_starts_with_its_own_directory_and_enviro
     assert first.losses == second.losses
 
 
+def test_a_folder_that_shadows_nothing_and_a_variable_set_by_imports_keep_the_zygote(tmp_path, monkeypatch):
+    first, _ = _go(tmp_path, "first")
+    pid = zygote._zygote[0].pid
+    harmless = tmp_path / "harmless"
+    (harmless / "titan_test_only_pkg").mkdir(parents=True)
+    monkeypatch.syspath_prepend(str(harmless))  # a test's own package: the zygote imported nothing from there
+    set_by_imports = sorted(zygote._report["env"] - {"TITAN_PLUGINS_EXTRA"})
+    for name in set_by_imports[:1]:  # as an import in this process would (transformers sets some)
+        monkeypatch.setenv(name, "set here")
+    second, _ = _go(tmp_path, "second")
+    assert zygote._zygote[0].pid == pid
+    shadow = tmp_path / "shadow"
+    (shadow / "omegaconf").mkdir(parents=True)  # a folder named like a module the zygote imported
+    monkeypatch.syspath_prepend(str(shadow))
+    third, _ = _go(tmp_path, "third")
+    assert zygote._zygote[0].pid != pid
+    assert first.returncode == second.returncode == third.returncode == 0, (first.error, second.error, third.error)
+
+
 def test_a_warm_run_trains_bit_for_bit_as_a_cold_one(tmp_path, monkeypatch):
     warm, _ = _go(tmp_path, "warm")
     monkeypatch.setenv(zygote.WARM_START_ENV, "0")

@@ -48,6 +48,7 @@ STALE = "stale"  # the zygote's answer when a source file it imported changed si
 
 _lock = threading.Lock()
 _zygote: tuple[subprocess.Popen, socket.socket, tuple] | None = None
+_report: dict | None = None  # what the running zygote's imports did (_imports_report), once it sent it
 
 
 def enabled() -> bool:
@@ -145,13 +146,13 @@ def _request(module: str, argv: list[str], env: dict[str, str], stdout: int, std
     from titan_plugins.distributed.fork_server import import_key
 
     with _lock:
-        global _zygote
+        global _zygote, _report
         key = import_key(PRELOAD)
-        if _zygote is not None and (_zygote[2] != key or _zygote[0].poll() is not None):
+        if _zygote is not None and (_zygote[0].poll() is not None or not _serves(_zygote[2], key)):
             _stop(_zygote)
             _zygote = None
         if _zygote is None:
-            _zygote = _start_zygote(key)
+            _zygote, _report = _start_zygote(key), None
         zygote = _zygote
         mine, theirs = socket.socketpair()
         try:
@@ -164,6 +165,9 @@ def _request(module: str, argv: list[str], env: dict[str, str], stdout: int, std
     conn = Connection(mine.detach())
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     conn.send((module, list(argv), dict(env), os.getcwd(), paths))
+    with _lock:
+        if _report is None and _zygote is zygote:  # sent before it serves the first request
+            _report = _read_report(zygote[1])
     try:
         pid = conn.recv()
     except EOFError:
@@ -178,6 +182,76 @@ def _request(module: str, argv: list[str], env: dict[str, str], stdout: int, std
                 threading.Thread(target=zygote[0].wait, daemon=True).start()  # reaped, never a zombie
         return STALE
     return WarmChild(pid, conn)
+
+
+def _serves(started: tuple, key: tuple) -> bool:
+    """Whether a zygote started for the import key ``started`` imported what one started
+    now would (``fork_server.import_key``: modules, signals, sys.path, installs, env).
+    Beyond equality: an environment variable its own imports set (transformers sets some
+    in every process that imports it) is not a difference, nor is a sys.path folder
+    added or removed that holds none of the top-level modules it imported (a test's
+    ``monkeypatch.syspath_prepend``). Without its report, equality only."""
+    if started == key:
+        return True
+    if _report is None or started[:2] != key[:2] or started[3] != key[3]:
+        return False
+    set_by_imports = _report["env"]
+    if {k: v for k, v in started[4] if k not in set_by_imports} != \
+            {k: v for k, v in key[4] if k not in set_by_imports}:
+        return False
+    before, now = started[2], key[2]
+    common = [p for p in now if p in before]
+    if common != [p for p in before if p in now]:  # reordered: another folder may win a name
+        return False
+    tops, origins = _report["modules"], _report["origins"]
+    if any(p in origins for p in before if p not in now):
+        return False
+    return not any(_holds(p, tops) for p in now if p not in before)
+
+
+def _holds(folder: str, names: frozenset[str]) -> bool:
+    """Whether ``folder`` (a sys.path entry) holds a top-level module named in ``names``."""
+    try:
+        entries = os.listdir(folder)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return True  # unreadable (a zip, say): assume it might
+    return any(e.split(".", 1)[0] in names for e in entries)
+
+
+def _read_report(control: socket.socket) -> dict | None:
+    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError, ValueError):
+        size = int.from_bytes(_recv_exactly(control, 8), "big")
+        return pickle.loads(_recv_exactly(control, size))
+    return None
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
+def _imports_report(start_env: dict[str, str]) -> dict:
+    """What the zygote's imports did: environment variables they set or changed, the
+    top-level modules imported and the sys.path folders those came from."""
+    env = frozenset(k for k in set(start_env) | set(os.environ) if start_env.get(k) != os.environ.get(k))
+    tops, origins = set(), set()
+    entries = sorted((p for p in sys.path if p), key=len, reverse=True)
+    for name, module in list(sys.modules.items()):
+        if "." in name:
+            continue
+        tops.add(name)
+        path = getattr(module, "__file__", None) or ""
+        found = next((p for p in entries if path.startswith(p.rstrip(os.sep) + os.sep)), None)
+        if found:
+            origins.add(found)
+    return {"env": env, "modules": frozenset(tops), "origins": frozenset(origins)}
 
 
 def _start_zygote(key: tuple) -> tuple[subprocess.Popen, socket.socket, tuple]:
@@ -211,12 +285,16 @@ def _stop(zygote: tuple[subprocess.Popen, socket.socket, tuple]) -> None:
 def serve(control_fd: int) -> None:
     """The zygote's loop: import, then fork a launcher per request until the control
     socket closes."""
+    start_env = dict(os.environ)
     for module in PRELOAD:
         importlib.import_module(module)
     _import_rank_modules()
     sources = _source_mtimes()
+    report = pickle.dumps(_imports_report(start_env))
     gc.freeze()
     control = socket.socket(fileno=control_fd)
+    with contextlib.suppress(OSError):
+        control.sendall(len(report).to_bytes(8, "big") + report)
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)
