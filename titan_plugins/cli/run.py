@@ -29,6 +29,7 @@ once, by the launching process; every job and rank uses it.
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -131,7 +132,8 @@ def _launch_job(spec: ModelSpec, job: DictConfig, dims: ParallelDims, pm: TitanP
         from titan_plugins.train import zygote
 
         # the groups (and a restarted group) fork from one warm process: ~7 s of CPU each otherwise
-        return launch_replicas(job, run_dir, dims.world_size, write_config, start_worker=zygote.start)
+        return launch_replicas(job, run_dir, dims.world_size, write_config,
+                               start_worker=functools.partial(zygote.popen_module, zygote.WORKER))
     return launch(config_path, dims.world_size, entry, error_file=run_dir / ERROR_FILE, preload=rank_preload(spec),
                   forward=forwarded_signals(job))
 

@@ -44,8 +44,14 @@ from titan_plugins.failures import INTERRUPTED, write_error_file
 __all__ = ["launch_replicas", "steps_by_participants", "summary_line"]
 
 LIGHTHOUSE_LOST_EXIT = 1
-# (launcher argv, *, env, stdout fd, stderr fd) -> a Popen-like (pid, poll, wait, returncode) or None
+# (launcher argv, *, env, stdout fd, stderr fd) -> a Popen-like (pid, poll, wait, returncode)
 StartWorker = Callable[..., Any]
+
+
+def _popen_worker(argv: list[str], *, env: dict[str, str], stdout: int, stderr: int) -> subprocess.Popen:
+    """A group's launcher as a new interpreter, in a session of its own."""
+    return subprocess.Popen([sys.executable, "-m", "titan_plugins.train.worker", *argv], env=env,
+                            stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr, start_new_session=True)
 
 
 # ------------------------------------------------------------------ the quorum log
@@ -83,7 +89,7 @@ class _Group:
     def __init__(self, replica: int, config: Path, nproc: int, env: dict[str, str],
                  start_worker: StartWorker | None = None) -> None:
         self.replica, self.config, self.nproc, self.env = replica, config, nproc, env
-        self.start_worker = start_worker
+        self.start_worker = start_worker or _popen_worker
         self.restarts, self.proc, self.last_error = 0, None, ""
         self.finished = self.gone = False
         self.joined = True  # a restarted group: healed from, or trained with, a live peer
@@ -91,12 +97,17 @@ class _Group:
 
     def start(self, console: Callable[[int], bool]) -> None:
         argv, env = [str(self.config), str(self.nproc)], {**self.env, START_ENV: str(self.restarts)}
-        streams = self._start_warm(argv, env) if self.start_worker is not None else None
-        if streams is None:
-            self.proc = subprocess.Popen([sys.executable, "-m", "titan_plugins.train.worker", *argv], env=env,
-                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1,
-                                         start_new_session=True)
-            streams = (self.proc.stdout, self.proc.stderr)
+        pipes = [os.pipe(), os.pipe()]  # its stdout and stderr, read here line by line
+        try:
+            self.proc = self.start_worker(argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1])
+        except BaseException:
+            for read, _ in pipes:
+                os.close(read)
+            raise
+        finally:
+            for _, write in pipes:
+                os.close(write)
+        streams = [open(read, buffering=1, errors="replace") for read, _ in pipes]  # noqa: SIM115 - read to EOF by the pumps
         log = open(self.log, "a")  # noqa: SIM115 - closed by the last pump
         log.write(f"--- replica {self.replica}, start {self.restarts + 1} ---\n")
         pumps = [threading.Thread(target=self._pump, args=(streams[0], log, console, False), daemon=True),
@@ -104,21 +115,6 @@ class _Group:
         self.pumps = pumps
         for t in pumps:
             t.start()
-
-    def _start_warm(self, argv: list[str], env: dict[str, str]) -> tuple[Any, Any] | None:
-        """The group's launcher forked by ``start_worker`` (its output on pipes read here);
-        None where it cannot serve."""
-        pipes = [os.pipe(), os.pipe()]
-        try:
-            self.proc = self.start_worker(argv, env=env, stdout=pipes[0][1], stderr=pipes[1][1])
-        finally:
-            for _, write in pipes:
-                os.close(write)
-        if self.proc is None:
-            for read, _ in pipes:
-                os.close(read)
-            return None
-        return tuple(open(read, buffering=1, errors="replace") for read, _ in pipes)  # noqa: SIM115 - read to EOF by the pumps
 
     def _pump(self, stream: Any, log: Any, console: Callable[[int], bool], errors: bool) -> None:
         for line in stream:
@@ -224,8 +220,8 @@ def launch_replicas(job: Any, run_dir: Path, nproc: int, write_group_config: Cal
                     start_worker: StartWorker | None = None) -> int:
     """Run the job as ``fault_tolerance.replica_groups`` groups of ``nproc`` ranks;
     returns its exit code (0: the last step was committed). ``start_worker(argv, *, env,
-    stdout, stderr)``: forks a group's launcher from a warm process (``train.zygote.start``),
-    None where it cannot; without it, or when it cannot, each group is a new interpreter."""
+    stdout, stderr)`` starts a group's launcher (``train.zygote.popen_module``: forked from
+    a warm process where one serves); without it, each group is a new interpreter."""
     from omegaconf import OmegaConf
 
     ft = job.fault_tolerance

@@ -221,20 +221,13 @@ def _holds(folder: str, names: frozenset[str]) -> bool:
 
 
 def _read_report(control: socket.socket) -> dict | None:
-    with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError, ValueError):
-        size = int.from_bytes(_recv_exactly(control, 8), "big")
-        return pickle.loads(_recv_exactly(control, size))
-    return None
-
-
-def _recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        if not chunk:
-            raise EOFError
-        data += chunk
-    return data
+    conn = Connection(os.dup(control.fileno()))  # its framing; the socket stays the zygote's control
+    try:
+        return conn.recv()
+    except (OSError, EOFError, pickle.UnpicklingError):
+        return None
+    finally:
+        conn.close()
 
 
 def _imports_report(start_env: dict[str, str]) -> dict:
@@ -290,11 +283,13 @@ def serve(control_fd: int) -> None:
         importlib.import_module(module)
     _import_rank_modules()
     sources = _source_mtimes()
-    report = pickle.dumps(_imports_report(start_env))
+    report = _imports_report(start_env)
     gc.freeze()
     control = socket.socket(fileno=control_fd)
     with contextlib.suppress(OSError):
-        control.sendall(len(report).to_bytes(8, "big") + report)
+        reporter = Connection(os.dup(control_fd))
+        reporter.send(report)
+        reporter.close()
     sig_r, sig_w = os.pipe()
     os.set_blocking(sig_r, False)
     os.set_blocking(sig_w, False)
