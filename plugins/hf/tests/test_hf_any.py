@@ -161,6 +161,22 @@ def test_verify_passes_an_equal_model_and_says_so(tmp_path):
     assert line is not None and "first 2 of 3 layers" in line and "difference 0.0e+00" in line
 
 
+def test_verify_passes_an_equal_model_on_packed_documents(tmp_path):
+    """With ``model.attn_mask=block_causal`` transformers gets the per-document positions
+    and no cache (its packed path; a cache turns it off): it stopped such runs before."""
+    import dataclasses
+
+    from titan_plugins.components.attention_masks import AttentionMask
+
+    folder = _folder(tmp_path, "granite", embedding_multiplier=12.0)
+    spec, config = _spec_and_config(folder)
+    config = dataclasses.replace(config, attn_mask=AttentionMask.block_causal)
+    ids = torch.randint(0, 8, (1, 33), generator=torch.Generator().manual_seed(2))  # EOS id 2: ~4 documents
+    assert (ids[0, :-1] == 2).sum() >= 2
+    line = verify(spec, config, str(folder), ids[:, :-1], ids[:, 1:], forced=True)
+    assert line is not None and "difference 0.0e+00" in line, line
+
+
 def test_verify_names_the_worst_tensor_of_a_wrong_model(tmp_path, monkeypatch):
     """Without the base forward's embedding work the model is wrong: one line, before launch."""
     import titan_hf.model

@@ -4,11 +4,13 @@ equal to one rank within 1e-5 over 3 fp32 steps on the same global batch:
 - one rank's step-1 loss equals the plain transformers model's on the same batch (Gemma 3);
 - ``make test``: Gemma 3 fsdp2 and fsdp2_tp2 (tied embeddings, scaled embedding, sliding +
   full layers, per-head q/k norms whose TP gradient must be summed; SP and loss parallel
-  on), Mistral pp2, Mixtral fsdp2_ep2 (transformers' expert-parallel plan);
+  on), Mistral pp2, Mixtral fsdp2_ep2 (transformers' expert-parallel plan), Gemma 3 cp2
+  and, on packed rows with document masks, cp2_tp2 (context parallel: titan_hf.context_parallel);
 - extended: Llama fsdp2_tp2 and pp2, Qwen3 fsdp2_tp2, Mistral, Phi-3, OLMo-2 and Mixtral
   on fsdp2, fsdp2_tp2 and pp2, Phi-3 tp2
   without SP and pp2_tp2, Mixtral tp2_ep2, Qwen3-MoE fsdp2_ep2 and fsdp2_tp2_ep2, GPT-OSS
-  pp2, fsdp2 with full activation checkpointing and fsdp2_ep2.
+  pp2, fsdp2 with full activation checkpointing and fsdp2_ep2; Llama cp2 and OLMo-2
+  cp2_tp2 with document masks, Qwen3 fsdp2_cp2.
 
 Mixtral's and Qwen3-MoE's TP layouts run without SP (their plan leaves the MoE block
 out). The jobs of one world size share one launch (``train_in_one_launch``), and every
@@ -42,9 +44,15 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {
     "fsdp2_tp2_nosp": (4, ["parallelism=fsdp2_tp2", NO_SP]),
     "pp2_tp2": (4, ["parallelism=pp2_tp2"]),
     "fsdp2_tp2_ep2_nosp": (4, ["parallelism=fsdp2_tp2_ep2", NO_SP]),
+    "cp2": (2, ["parallelism=cp2"]),
+    "cp2_tp2": (4, ["parallelism=cp2_tp2"]),
+    "fsdp2_cp2": (4, ["parallelism=fsdp2_cp2"]),
 }
+# "<flavor>+docs": packed rows with document masks (ids 0..7, the flavors' EOS id 2 ends
+# a document about every 8 tokens), baseline and layout alike
+VARIANTS = {"docs": ["model.attn_mask=block_causal", "data.vocab_size=8"]}
 DEFAULT = [("tiny_gemma3", "fsdp2"), ("tiny_gemma3", "fsdp2_tp2"), ("tiny_mistral", "pp2"),
-           ("tiny_mixtral", "fsdp2_ep2")]
+           ("tiny_mixtral", "fsdp2_ep2"), ("tiny_gemma3", "cp2"), ("tiny_gemma3+docs", "cp2_tp2")]
 EXTENDED = [
     ("tiny_llama", "fsdp2_tp2"), ("tiny_llama", "pp2"), ("tiny_qwen3", "fsdp2_tp2"),
     ("tiny_mistral", "fsdp2"), ("tiny_mistral", "fsdp2_tp2"),
@@ -55,6 +63,7 @@ EXTENDED = [
     ("tiny_mixtral", "tp2_ep2_nosp"),
     ("tiny_qwen3_moe", "fsdp2_ep2"), ("tiny_qwen3_moe", "fsdp2_tp2_ep2_nosp"),
     ("tiny_gpt_oss", "pp2"), ("tiny_gpt_oss", "fsdp2_ac"), ("tiny_gpt_oss", "fsdp2_ep2"),
+    ("tiny_llama+docs", "cp2"), ("tiny_qwen3", "fsdp2_cp2"), ("tiny_olmo2+docs", "cp2_tp2"),
 ]
 TIMEOUT = 600
 
@@ -63,7 +72,10 @@ def _train(work, cases: list[tuple[str, str]]) -> dict[str, tuple]:
     """Each flavor's one-rank baseline and every ``(flavor, layout)`` of ``cases``, one
     launch per world size; ``"<flavor>/<layout>" -> (losses, config path)``."""
     flavors = dict.fromkeys(flavor for flavor, _ in cases)
-    base = {f: [*COMMON, f"model.hf={save_folder(f, work / f)}", "parallelism=single"] for f in flavors}
+    folders = {f.split("+")[0]: None for f in flavors}
+    folders = {f: save_folder(f, work / f) for f in folders}
+    base = {f: [*COMMON, f"model.hf={folders[f.split('+')[0]]}",
+                *(o for v in f.split("+")[1:] for o in VARIANTS[v]), "parallelism=single"] for f in flavors}
     out: dict[str, tuple] = {}
     for world in sorted({LAYOUTS[layout][0] for _, layout in cases}):
         ranks = {}

@@ -23,11 +23,13 @@ from torch import nn
 
 from titan_hf.architecture import attn_implementation, check_architecture
 from titan_hf.config import AttnImpl, HFModelConfig, hf_dict
+from titan_hf.context_parallel import sharded_positions_and_masks
 from titan_hf.embed import embed_work
 from titan_hf.head import post_head, pre_head
 from titan_hf.layer_call import check_layer_call, makes_sliding_masks
 from titan_hf.structure import find_structure
 from titan_plugins.components.attention_masks import AttentionMask, document_ids
+from titan_plugins.components.cp_attention import current_shard
 from titan_plugins.errors import ConfigError
 
 __all__ = ["HFCausalLM", "build", "flops", "hf_config_object"]
@@ -155,12 +157,18 @@ class HFCausalLM(nn.Module):
         batch, seq = local.shape[0], local.shape[1] * self.seq_shards
         # Masks and rotary read only the shape, dtype and device of what they are given.
         like = local.new_empty((batch, seq, 1))
-        past = cache.pos if cache is not None else 0
-        positions = torch.arange(past, past + seq, device=local.device).unsqueeze(0)
-        if self.block_causal and cache is None and self.tok_embeddings is not None:
-            positions = document_positions(document_ids(tokens, self.eos_id))
-        hf_cache = self._hf_cache(cache)
-        masks, rope = self._masks(like, positions, hf_cache), self._rope(like, positions)
+        hf_cache, shard = self._hf_cache(cache), current_shard()
+        if shard is not None:  # parallelism.cp: global positions, masks over the whole row's keys
+            docs = document_ids(tokens, self.eos_id) if self.block_causal else None
+            positions, masks = sharded_positions_and_masks(
+                shard, set(self.layer_kinds), getattr(self.hf_config, "sliding_window", None), docs, local.device)
+        else:
+            past = cache.pos if cache is not None else 0
+            positions = torch.arange(past, past + seq, device=local.device).unsqueeze(0)
+            if self.block_causal and cache is None and self.tok_embeddings is not None:
+                positions = document_positions(document_ids(tokens, self.eos_id))
+            masks = self._masks(like, positions, hf_cache)
+        rope = self._rope(like, positions)
         extra = {} if hf_cache is None else {"cache": hf_cache, "use_cache": True}
         for key, layer in self.layers.items():
             kind = self.layer_kinds[int(key)]

@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titan_hf.context_parallel import use_cp_attention
 from titan_hf.validate import expert_plan, layer_plan, validate
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
@@ -192,6 +193,8 @@ def parallelize(model: HFCausalLM, parallel_dims: ParallelDims, job_config: Dict
     validate(model.config, parallel_dims)
     _check_layers(model)
     par = job_config.parallelism
+    if getattr(parallel_dims, "cp", 1) > 1:  # keys and values gathered over the cp group
+        use_cp_attention(model)
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=bool(par.sequence_parallel),
                  loss_parallel=bool(par.loss_parallel))

@@ -28,8 +28,9 @@ def titan_register_models(register):
                 last_stage_modules=("norm", "output"),
             ),
             # What the hook implements; validate() refuses in one line what a folder's
-            # structure cannot take (no TP plan, no EP plan or no experts, tied + PP).
-            capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True),
+            # structure cannot take (no TP plan, no EP plan or no experts, tied + PP,
+            # CP on an architecture without SDPA).
+            capabilities=Capabilities(fsdp=True, tp=True, ep=True, pp=True, cp=True),
             description="any decoder-only causal LM of the installed transformers 5.x (docs/hf-matrix.md)",
             # transformers' shared modules (~4 s of CPU): imported once by the fork server
             rank_imports=("transformers", "transformers.modeling_utils", "transformers.modeling_layers",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from titan_hf.config import HFModelConfig, hf_dict
+from titan_hf.context_parallel import check_cp
 from titan_plugins.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -112,6 +113,8 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
                               "documents from the token ids, which later pipeline stages do not see")
         if not isinstance(hf.eos_token_id, int) and not (isinstance(hf.eos_token_id, list) and hf.eos_token_id):
             raise ConfigError("model.attn_mask=block_causal: config.json has no eos_token_id to end documents at")
+    if getattr(parallel_dims, "cp", 1) > 1:
+        check_cp(hf, parallel_dims.cp)
     if parallel_dims.ep > 1:
         _check_ep(config, hf, values, parallel_dims)
     if parallel_dims.tp > 1:

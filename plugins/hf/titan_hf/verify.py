@@ -40,7 +40,14 @@ def compare(ours: torch.nn.Module, theirs: torch.nn.Module, renames: tuple[tuple
 
     ours.train()
     theirs.train()
-    mine, ref = _loss(ours(inputs), labels), _loss(theirs(inputs).logits, labels)
+    packed = {}
+    if getattr(ours, "block_causal", False):  # documents: transformers' packed path, as ours runs it
+        from titan_hf.model import document_positions
+        from titan_plugins.components.attention_masks import document_ids
+
+        # (no cache: transformers detects packed rows from position_ids only without one)
+        packed = {"position_ids": document_positions(document_ids(inputs, ours.eos_id)), "use_cache": False}
+    mine, ref = _loss(ours(inputs), labels), _loss(theirs(inputs, **packed).logits, labels)
     mine.backward()
     ref.backward()
     their_params = dict(theirs.named_parameters(remove_duplicate=False))

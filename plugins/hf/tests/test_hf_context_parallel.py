@@ -1,0 +1,140 @@
+"""``model=hf`` under context parallelism: transformers' own layers, this rank's
+load-balanced chunks of each row, keys and values gathered over the cp group by the
+attention function registered in transformers' ``AttentionInterface``
+(``titan_hf.context_parallel``).
+
+- masks and positions: a rank's rows of the mask equal the rows transformers' own mask
+  builders make for the whole row (full and sliding layers);
+- two gloo ranks, one step: loss and every gradient equal one process on the whole rows
+  (Llama, Qwen3 with q/k norms, Gemma 3 with sliding + full layers and tied
+  embeddings), causal and with document masks on packed rows;
+- refusals before launch, one line each.
+
+The titan-run runs (cp2, cp2 with documents, cp2_tp2 against one rank over 3 steps)
+are test_hf_parallel's, sharing its launches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from titan_plugins.components.attention_masks import AttentionMask  # noqa: E402
+from titan_plugins.components.cp_attention import SequenceShard, shard_sequence, sharded_sequence  # noqa: E402
+from titan_plugins.errors import ConfigError  # noqa: E402
+
+SEQ = 32
+FLAVORS = ["tiny_llama", "tiny_qwen3", "tiny_gemma3"]
+
+
+def _model(flavor: str, block_causal: bool):
+    from titan_hf.config import FLAVORS as ALL
+    from titan_hf.context_parallel import use_cp_attention
+    from titan_hf.model import build
+
+    config = ALL[flavor]
+    if block_causal:
+        config = dataclasses.replace(config, attn_mask=AttentionMask.block_causal)
+    torch.manual_seed(0)
+    model = build(config)
+    with torch.no_grad():  # every weight matters (transformers' init is near zero)
+        for p in model.parameters():
+            p.normal_(0.0 if p.dim() > 1 or "gemma" in flavor else 1.0, 0.2)
+    use_cp_attention(model)  # without a shard in flight it is transformers' SDPA
+    return model
+
+
+def test_a_ranks_masks_and_positions_are_its_rows_of_the_whole_rows():
+    from titan_hf.config import FLAVORS as ALL
+    from titan_hf.context_parallel import sharded_positions_and_masks
+    from titan_hf.model import hf_config_object
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    hf = hf_config_object(ALL["tiny_gemma3"])
+    hf._attn_implementation = "eager"  # a materialised mask (SDPA's builder returns None for plain causal)
+    like = torch.empty(1, SEQ, 1)
+    whole_pos = torch.arange(SEQ).unsqueeze(0)
+    made = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+    want = {kind: make(config=hf, inputs_embeds=like, attention_mask=None, cache=None, position_ids=whole_pos) == 0
+            for kind, make in made.items()}  # eager's additive mask: 0 where a query attends
+    assert not torch.equal(want["full_attention"], want["sliding_attention"])  # the window cuts inside a row
+    for rank in range(2):
+        shard = SequenceShard(None, rank, 2, SEQ)
+        positions, masks = sharded_positions_and_masks(shard, set(want), hf.sliding_window, None, torch.device("cpu"))
+        rows = shard.positions(torch.device("cpu"))
+        assert torch.equal(positions[0], rows)
+        for kind, mask in masks.items():
+            assert torch.equal(mask, want[kind].index_select(2, rows)), kind
+
+
+def _grads_rank(rank: int, world: int, cases: list[tuple[str, bool]]) -> list[dict]:
+    """Each case's loss and gradients: whole rows here, then this rank's chunks under
+    ``sharded_sequence`` (gradients summed over the ranks, as FSDP over dp x cp sums them)."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    out = []
+    for flavor, block_causal in cases:
+        model = _model(flavor, block_causal)
+        gen = torch.Generator().manual_seed(3)
+        tokens = torch.randint(0, 8, (2, SEQ), generator=gen)  # id 2 (the flavors' EOS) ends documents
+        labels = torch.roll(tokens, -1, 1)
+        count = labels.numel()  # the whole rows' tokens: each rank's sum is a part of the one-rank sum
+
+        def step(x, y, model=model, count=count):
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum") / count
+            loss.backward()
+            return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                   if p.grad is not None}
+
+        ref_loss, ref = step(tokens, labels)
+        with sharded_sequence(SequenceShard(dist.group.WORLD, rank, world, SEQ)):
+            loss, grads = step(shard_sequence(tokens, 1, world, rank), shard_sequence(labels, 1, world, rank))
+        dist.all_reduce(loss)
+        for g in grads.values():
+            dist.all_reduce(g)
+        scale = max(g.abs().max().item() for g in ref.values())
+
+        def rel(name, grads=grads, ref=ref, scale=scale):
+            return ((grads[name] - ref[name]).abs().max() / max(ref[name].abs().max().item(), 1e-3 * scale)).item()
+
+        worst = max(grads, key=rel)
+        out.append({"case": (flavor, block_causal), "ref_loss": ref_loss.item(),
+                    "loss": abs(loss.item() - ref_loss.item()), "same_params": set(grads) == set(ref),
+                    "grad": rel(worst), "worst": worst})
+    return out
+
+
+@pytest.mark.slow
+def test_loss_and_gradients_on_two_ranks_equal_one_process():
+    from titan_plugins.testing.gloo import run_ranks
+
+    cases = [(flavor, docs) for flavor in FLAVORS for docs in (False, True)]
+    results = run_ranks(_grads_rank, 2, cases, timeout=400)[0]
+    for res in results:
+        print(res)
+        assert res["same_params"] and res["loss"] < 1e-5 and res["grad"] < 1e-5, res
+    by_case = {tuple(r["case"]): r["ref_loss"] for r in results}
+    for flavor in FLAVORS:  # the document masks change what is computed: the check is not vacuous
+        assert abs(by_case[(flavor, False)] - by_case[(flavor, True)]) > 1e-4, flavor
+
+
+@pytest.mark.parametrize("flavor, overrides, message", [
+    ("tiny_gpt_oss", [], "parallelism.cp=2: transformers runs GptOssForCausalLM without SDPA"),
+    ("tiny_llama", ["model.attn_implementation=eager"],
+     "model.attn_implementation=eager with parallelism.cp=2: context parallel runs SDPA"),
+    ("tiny_llama", ["parallelism.pp=2"], "parallelism.cp=2 with parallelism.pp=2: not done yet"),
+])
+def test_refused_in_one_line_before_launch(flavor, overrides, message):
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import prepare_job
+
+    with pytest.raises(ConfigError) as info:
+        prepare_job(["model=hf", f"model.flavor={flavor}", "parallelism=cp2", "training.seq_len=32", *overrides],
+                    get_plugin_manager(strict=True))
+    assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
