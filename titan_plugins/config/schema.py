@@ -327,13 +327,27 @@ class ObjectiveConfig:
 
 
 @dataclass
+class VLLMRolloutConfig:
+    """``rollout=vllm``: one in-process vLLM engine per training rank, on its GPU
+    (titan_plugins/objectives/rollout_vllm.py)."""
+
+    gpu_memory_utilization: float = ranged(0.3, "(0, 1]")  # the GPU's share vLLM takes (weights + KV cache)
+    bucket_mb: int = ranged(512, "[1, inf)")  # largest weight push (MiB): the update's extra memory
+    enable_sleep_mode: bool = True  # vLLM's GPU memory freed while the step trains (sleep / wake_up)
+    dtype: str = "auto"  # vLLM's weights and compute (auto: config.json's torch_dtype)
+    enforce_eager: bool = False  # no CUDA graphs (less memory and start-up time, slower decoding)
+
+
+@dataclass
 class RolloutConfig:
     """``rollout=<engine>`` with ``objective=grpo``: where the completions come from
     (titan_plugins/objectives/rollout.py). ``native``: sampled from the live policy with
-    the KV cache; ``file``: replayed from ``path`` (JSONL)."""
+    the KV cache; ``file``: replayed from ``path`` (JSONL); ``vllm``: sampled by vLLM
+    colocated with training (GPU only), the weights pushed after each update."""
 
-    name: str = "native"  # native | file
+    name: str = "native"  # native | file | vllm
     path: str | None = None  # file: the JSONL of completions (and rewards) to replay
+    vllm: VLLMRolloutConfig = field(default_factory=VLLMRolloutConfig)  # vllm: the engine's knobs
 
 
 @dataclass

@@ -37,6 +37,7 @@ __all__ = ["ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_eng
 ENGINES = {
     "native": "titan_plugins.objectives.rollout_native:NativeRollout",
     "file": "titan_plugins.objectives.rollout_file:FileRollout",
+    "vllm": "titan_plugins.objectives.rollout_vllm:VLLMRollout",
 }
 
 
