@@ -1,7 +1,8 @@
-"""A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``)
-or inside the save of a chosen step (``TITAN_TEST_PARK_IN_SAVE=N``), so that a test can
-send a real signal to a real rank process mid-run or mid-save, and poisons one rank's
-last hidden states with NaN at chosen steps (``TITAN_TEST_NAN``)."""
+"""A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``),
+inside the save of a chosen step (``TITAN_TEST_PARK_IN_SAVE=N``) or inside the native
+rollout engine's generation of a chosen step (``TITAN_TEST_PARK_IN_ROLLOUT=N``), so that
+a test can send a real signal to a real rank process mid-run, mid-save or mid-generation,
+and poisons one rank's last hidden states with NaN at chosen steps (``TITAN_TEST_NAN``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,9 @@ def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
     """``TITAN_TEST_PARK_IN_SAVE=N``: every rank parks inside the save of ``step-N``, once
     DCP has written all of it to ``step-N.tmp`` (shards and ``.metadata``) and before the
     manifest and the rename: the most complete a save gets without being complete."""
+    in_rollout = int(os.environ.get("TITAN_TEST_PARK_IN_ROLLOUT", "0"))
+    if in_rollout:
+        _park_in_rollout(in_rollout, run_dir, rank)
     park = int(os.environ.get("TITAN_TEST_PARK_IN_SAVE", "0"))
     if not park:
         return
@@ -56,6 +60,32 @@ def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
             return out
 
     checkpoint.dcp = _Parking()
+
+
+def _park_in_rollout(park: int, run_dir: str, rank: int) -> None:
+    """``TITAN_TEST_PARK_IN_ROLLOUT=N``: every rank parks inside ``rollout=native``'s
+    generation of step N, once the prompts' forward has filled the KV cache (with FSDP's
+    weights gathered) and before the first completion token is sampled: the engine's
+    ``complete`` notes the step, its module's ``last_logits`` (called once per decoding
+    forward) parks on the first forward of that step."""
+    from titan_plugins.objectives import rollout_native as native
+
+    real_complete, real_logits = native.NativeRollout.complete, native.last_logits
+    now = {"step": 0, "forwards": 0}
+
+    def complete(self: Any, run: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        now["step"], now["forwards"] = step, 0
+        return real_complete(self, run, step, *args, **kwargs)
+
+    def last_logits(*args: Any, **kwargs: Any) -> Any:
+        out = real_logits(*args, **kwargs)
+        now["forwards"] += 1
+        if now["step"] == park and now["forwards"] == 1:
+            _park(run_dir, rank)
+        return out
+
+    native.NativeRollout.complete = complete
+    native.last_logits = last_logits
 
 
 @hookimpl

@@ -12,8 +12,10 @@ C  the next run finds step-6 (truncated .metadata) and step-4 (truncated and mis
 The next tests reuse A: SIGINT to a launcher in the background of a script, preemption
 on checkpoint.on_signal and its resume; then non-finite steps (stop and skip). Last, the
 faults on fine-tuning runs (a tiny qwen3): LoRA on chat data (adapter-only checkpoints,
-data-loader workers) and, extended, DPO, each against one reference run of its kind
-(FAULTS). After every job: no process of its session is left.
+data-loader workers), GRPO (a kill during the rollout's generation too) and, extended,
+DPO, context parallelism and model=hf on an architecture outside its tested nine
+(Granite), each against one reference run of its kind (FAULTS). After every job: no
+process of its session is left.
 """
 
 from __future__ import annotations
@@ -247,13 +249,29 @@ def test_nonfinite_steps_stop_or_are_skipped(tmp_path):
 # checkpoint every 2 steps, on each fine-tuning path: LoRA on chat data (adapter-only
 # checkpoints: the adapters, their optimizer state, the chat loader's position, data-loader
 # workers) and, extended, DPO on preference pairs (full fine-tuning: the policy and its
-# optimizer state).
+# optimizer state). Issue 49.6: GRPO (rollout=native on the shipped arithmetic prompts:
+# the completions sampled anew after a resume, seeded per prompt and step, must be the
+# same tokens), and, extended, context parallelism (cp2: chat rows packed with block-causal
+# masks, the sequence split over the 2 ranks) and model=hf on a tiny random Granite folder
+# (outside the nine families the plugin is tested on; its scaled embeddings and logits).
 FT_BASE = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
            "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false",
            *(o for o in BASE if not o.startswith(("model=", "training.seq_len=")))]
+# model=hf: the folder (model.hf=DIR) is written by the fixture; random tokens over its vocabulary.
+HF_BASE = ["model=hf", "data=synthetic", "data.vocab_size=256", "training.seq_len=32",
+           *(o for o in BASE if not o.startswith(("model=", "training.seq_len=")))]
+HF_ARCHITECTURE = "granite"
 FINE_TUNING = {
     "lora_chat": ["peft=lora", "data=chat_sample", "training.seq_len=64"],
     "dpo": ["objective=dpo", "data=preference_sample", "training.seq_len=128"],
+    # 1 prompt a rank, 4 completions of at most 6 tokens each; a reward the random policy
+    # earns about half the time (the advantages are not all 0: every step trains)
+    "grpo": ["objective=grpo", "data=prompts", "training.seq_len=64", "objective.max_completion_length=6",
+             "objective.num_generations=4", "training.local_batch_size=1", "training.warmup_steps=0",
+             "training.lr=0.01", "objective.reward_funcs=[format]",
+             "+objective.reward_options.format.pattern='(?s)[a-z].*'"],
+    "cp": ["parallelism=cp2", "data=chat_sample", "training.seq_len=64"],  # block_causal: chat_sample sets it
+    "hf": [],
 }
 
 
@@ -268,13 +286,36 @@ def _names(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-@pytest.fixture(scope="module", params=["lora_chat", pytest.param("dpo", marks=pytest.mark.extended)])
-def fine_tuning(request, tmp_path_factory) -> tuple[str, Path]:
-    """The uninterrupted reference run of one fine-tuning kind (checkpoints step-2, -4, -6)."""
-    ref_dir = tmp_path_factory.mktemp(request.param) / "ref"
-    code, _, err = _finish(_start(ref_dir, *FINE_TUNING[request.param], base=FT_BASE))
+def _completions(run_dir: Path, skip: int = 0) -> tuple[dict[int, list[dict]], int]:
+    """GRPO's sampled completions by step, from the records after the first ``skip`` of
+    ``completions.jsonl`` (rank 0 appends each step's: a launch's are the records it
+    added), and the number of records."""
+    import json
+
+    path = run_dir / "completions.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    out: dict[int, list[dict]] = {}
+    for record in records[skip:]:
+        out.setdefault(record["step"], []).append(record)
+    return out, len(records)
+
+
+@pytest.fixture(scope="module", params=["lora_chat", "grpo", *(pytest.param(kind, marks=pytest.mark.extended)
+                                                               for kind in ("dpo", "cp", "hf"))])
+def fine_tuning(request, tmp_path_factory) -> tuple[str, Path, list[str]]:
+    """The uninterrupted reference run of one fine-tuning kind (checkpoints step-2, -4, -6)
+    and the overrides of its every launch."""
+    kind = request.param
+    work = tmp_path_factory.mktemp(kind)
+    argv = [*FT_BASE, *FINE_TUNING[kind]]
+    if kind == "hf":
+        pytest.importorskip("titan_hf")
+        from titan_hf.matrix_folders import tiny_folder
+
+        argv = [*HF_BASE, f"model.hf={tiny_folder(HF_ARCHITECTURE, work / HF_ARCHITECTURE)}"]
+    code, _, err = _finish(_start(work / "ref", base=argv))
     assert code == 0, err[-3000:]
-    return request.param, ref_dir
+    return kind, work / "ref", argv
 
 
 # What each kind's job goes through after its reference run, each launch resuming the one
@@ -284,8 +325,11 @@ def fine_tuning(request, tmp_path_factory) -> tuple[str, Path]:
 # process of the job, as Slurm sends it (data-loader workers and the fork server too);
 # "end": on to step 6. In a save: every rank parked inside the save of step-4, DCP has
 # written all of it, the manifest and the rename have not happened.
+# In a rollout: every rank parked inside rollout=native's generation of step 4, its prompts'
+# forward done, no token sampled (step 4 not trained).
 AFTER_3, IN_SAVE_4, AFTER_5 = ({"TITAN_TEST_PARK_AFTER": "3"}, {"TITAN_TEST_PARK_IN_SAVE": "4"},
                                {"TITAN_TEST_PARK_AFTER": "5"})
+IN_ROLLOUT_4 = {"TITAN_TEST_PARK_IN_ROLLOUT": "4"}
 FAULTS = {
     "lora_chat": [("kill", 0, IN_SAVE_4, 0, ["step-2", "step-4.tmp"]),  # rank 0 writes the manifest, renames
                   ("term", None, AFTER_5, 2, ["step-2", "step-4"]),  # the unfinished save pruned by the next
@@ -295,17 +339,39 @@ FAULTS = {
             ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
             ("preempt", signal.SIGUSR1, AFTER_5, 2, ["step-2", "step-4", "step-5"]),
             ("end", None, {}, 5, ["step-4", "step-5", "step-6"])],
+    "grpo": [("kill", 1, AFTER_3, 0, ["step-2"]),
+             ("kill", 0, IN_ROLLOUT_4, 2, ["step-2"]),
+             ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
+             ("end", None, {}, 2, ["step-2", "step-4", "step-6"])],
+    "cp": [("kill", 0, AFTER_3, 0, ["step-2"]),
+           ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
+           ("end", None, {}, 2, ["step-2", "step-4", "step-6"])],
+    "hf": [("kill", 1, AFTER_3, 0, ["step-2"]),
+           ("kill", 0, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
+           ("end", None, {}, 2, ["step-2", "step-4", "step-6"])],
 }
+
+
+def _trained_to(park: dict[str, str]) -> int:
+    """The last step a launch parked at ``park`` (or run to the end) trained."""
+    if not park:
+        return 6
+    ((what, step),) = park.items()
+    return int(step) - (what == "TITAN_TEST_PARK_IN_ROLLOUT")
 
 
 def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
     """The faults of FAULTS, one launch each. Every stop ends in one line and leaves no
     process 3 s after; every launch resumes from the newest complete checkpoint and trains
-    each of its steps bit for bit like the uninterrupted run (loss and gradient norm);
-    the last ends at step 6 with the reference's steps 1-6."""
-    kind, ref_dir = fine_tuning
+    each of its steps bit for bit like the uninterrupted run (loss and gradient norm;
+    GRPO: the very completions, sampled anew); the last ends at step 6 with the
+    reference's steps 1-6."""
+    kind, ref_dir, argv = fine_tuning
     ref = _steps(ref_dir)
     assert None not in ref, ref
+    sampled, seen = _completions(ref_dir)[0], 0
+    if kind == "grpo":  # 2 ranks x 1 prompt x 4 completions a step, every step
+        assert sorted(sampled) == [1, 2, 3, 4, 5, 6] and {len(v) for v in sampled.values()} == {8}, sampled.keys()
     if kind == "lora_chat":  # adapter-only checkpoints: no frozen base weight in them
         import torch.distributed.checkpoint as dcp
 
@@ -318,7 +384,7 @@ def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
         for p in run_dir.glob("parked-*"):
             p.unlink()
         on_signal = [f"checkpoint.on_signal={whom.name[3:]}"] if what == "preempt" else []
-        proc = _start(run_dir, *FINE_TUNING[kind], *on_signal, env=park, base=FT_BASE)
+        proc = _start(run_dir, *on_signal, env=park, base=argv)
         if park:
             _wait_parked(run_dir, proc)
         if before is not None:  # meanwhile (each launch has a session of its own)
@@ -338,8 +404,11 @@ def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
         code, out, err = _finish(proc)
         assert (_error_lines(err), code) == (lines, want), (what, err[-3000:])
         assert (f"resumed from checkpoint {folder / f'step-{start}'} (step {start})" in out) == bool(start), what
-        last = int(next(iter(park.values()), 6))
+        last = _trained_to(park)
         assert _steps(run_dir, start + 1, last) == ref[start:last], what  # what this launch trained
+        if kind == "grpo":  # the completions it sampled (none of a step parked in its rollout): the reference's
+            new, seen = _completions(run_dir, seen)  # tokens, rewards and advantages
+            assert new == {s: sampled[s] for s in range(start + 1, last + 1)}, what
         assert _names(folder) == after, what
         before = proc
     assert _left_behind(before) == []
