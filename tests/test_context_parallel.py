@@ -106,7 +106,7 @@ def test_refused_in_one_line_before_launch(pm, overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_objectives_other_than_sft_are_refused(pm):
+def test_objectives_other_than_sft_and_dpo_are_refused(pm):
     from titan_plugins.distributed.context_parallel import check_context_parallel
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.train.api import prepare_job
@@ -115,9 +115,82 @@ def test_objectives_other_than_sft_are_refused(pm):
     dims = ParallelDims.from_config(job.parallelism)
     assert (dims.cp, dims.world_size, dims.fsdp_enabled) == (2, 2, True)
     assert "cp=2" in dims.describe()
-    job.objective.name = "dpo"
-    with pytest.raises(ConfigError, match="objective=dpo with parallelism.cp=2: not done yet"):
+    job.objective.name = "grpo"
+    with pytest.raises(ConfigError, match="objective=grpo with parallelism.cp=2: not done yet"):
         check_context_parallel(job, "qwen3", None, dims)
+    job.objective.name = "dpo"
+    check_context_parallel(job, "qwen3", None, dims)
+    job.objective.precompute_ref = True
+    with pytest.raises(ConfigError, match="objective.precompute_ref=true with parallelism.cp=2: not done yet"):
+        check_context_parallel(job, "qwen3", None, dims)
+
+
+# DPO under cp: a row's log-prob is summed over the cp group (row_sum), the pair losses
+# are reported by the group's rank 0 (owns_rows) and reach every rank's tokens backward.
+DPO_LOSSES = [("sigmoid", True), ("ipo", True), ("simpo", False), ("orpo", False)]
+
+
+def _dpo_rank(rank: int, world: int, losses: list) -> list[dict]:
+    """Each loss type's loss, metric sums and gradients: whole rows (2 pairs, the prompt
+    masked) here, then this rank's chunks under ``sharded_sequence`` with the count,
+    loss, sums and gradients summed over the ranks (as the train step and FSDP do)."""
+    from omegaconf import OmegaConf
+    from titan_qwen3.config import FLAVORS
+    from titan_qwen3.model import build
+
+    from titan_plugins.loss.token_loss import IGNORE_INDEX
+    from titan_plugins.objectives.dpo import DPOObjective
+
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(FLAVORS["debugmodel"]), {"n_layers": 2}))
+    with torch.device("meta"):
+        model = build(config)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    model.init_weights(buffer_device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(5)
+    inputs = torch.randint(0, 64, (4, 32), generator=gen)  # chosen rows 0-1, rejected rows 2-3
+    labels = torch.roll(inputs, -1, 1)
+    labels[:, :9] = IGNORE_INDEX  # the prompt: across the first cp chunk and into the mirror
+    labels[3, 27:] = IGNORE_INDEX  # a shorter completion: the rows' lengths differ
+    reference = torch.tensor([-150.0, -160.0, -155.0, -158.0])
+    out = []
+    for loss_type, with_ref in losses:
+        objective = DPOObjective(OmegaConf.create({"loss_type": loss_type, "beta": 0.1}))
+
+        def step(x, y, group=None, objective=objective, with_ref=with_ref):
+            model.zero_grad(set_to_none=True)
+            count = objective.count(y).double()
+            if group is not None:
+                dist.all_reduce(count, group=group)
+            loss, stats = objective.loss(model(x), y, scale=tuple(count.tolist()),
+                                         reference=reference if with_ref else None)
+            loss.backward()
+            flat = torch.stack([loss.detach(), *(stats[k].detach().float() for k in sorted(stats))])
+            if group is not None:
+                dist.all_reduce(flat, group=group)
+            return flat, {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        ref_flat, ref = step(inputs, labels)
+        with sharded_sequence(SequenceShard(dist.group.WORLD, rank, world, 32)):
+            flat, grads = step(shard_sequence(inputs, 1, world, rank), shard_sequence(labels, 1, world, rank),
+                               dist.group.WORLD)
+        for g in grads.values():
+            dist.all_reduce(g)
+        worst = max((g - ref[n]).abs().max().item() / max(ref[n].abs().max().item(), 1e-6) for n, g in grads.items())
+        out.append({"loss_type": loss_type, "loss": ref_flat[0].item(), "values": ((flat - ref_flat).abs() / ref_flat.abs().clamp(min=1)).max().item(),
+                    "same_params": set(grads) == set(ref), "grad": worst})
+    return out
+
+
+@pytest.mark.slow
+def test_dpo_losses_metrics_and_gradients_on_two_ranks_equal_one_process():
+    from titan_plugins.testing.gloo import run_ranks
+
+    pytest.importorskip("titan_qwen3")
+    for res in run_ranks(_dpo_rank, 2, DPO_LOSSES, timeout=300)[0]:
+        print(res)
+        assert res["loss"] > 0 and res["same_params"], res
+        assert res["values"] < 1e-5 and res["grad"] < 1e-5, res
 
 
 # ------------------------------------------------------------------ 2 gloo ranks

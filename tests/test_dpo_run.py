@@ -34,9 +34,11 @@ def _go(tmp_path, name, *overrides):
     return result, _records(tmp_path / name)
 
 
-def test_full_fine_tuning_fsdp2_tp2_equals_one_rank(tmp_path):
-    """The frozen reference copy sharded like the policy: step 1 is ln 2 on both, and
-    the loss and rewards of three steps agree within the project's parity tolerance."""
+def test_full_fine_tuning_fsdp2_tp2_and_cp2_equal_one_rank(tmp_path):
+    """The frozen reference copy sharded like the policy: step 1 is ln 2 on each, and
+    the loss and rewards of three steps agree within the project's parity tolerance;
+    under cp2 each rank holds half of every 256-token row (the pairs' log-probs summed
+    over the cp group)."""
     from titan_plugins.compare.tolerances import LOSS_PARITY
 
     seed_run = run([*TINY, "checkpoint.create_seed=true"], run_dir=tmp_path / "seed", timeout=300)
@@ -45,11 +47,15 @@ def test_full_fine_tuning_fsdp2_tp2_equals_one_rank(tmp_path):
     _, one = _go(tmp_path, "one", seed, "training.steps=3", "training.local_batch_size=4", "metrics.console=false")
     _, four = _go(tmp_path, "fsdp2_tp2", seed, "parallelism=fsdp2_tp2", "training.steps=3",
                   "training.local_batch_size=2", "metrics.console=false")
-    assert one[0]["loss"] == LN2 and four[0]["loss"] == pytest.approx(LN2, abs=1e-6)
-    for step, (a, b) in enumerate(zip(one, four), 1):
-        assert LOSS_PARITY.allows(a["loss"], b["loss"], step), (step, a["loss"], b["loss"])
-        for key in ("rewards/margins", "logps/chosen"):
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (step, key)
+    _, cp = _go(tmp_path, "cp2", seed, "parallelism=cp2", "training.steps=3", "training.local_batch_size=4",
+                "metrics.console=false")
+    assert one[0]["loss"] == LN2
+    for layout in (four, cp):
+        assert len(layout) == len(one) == 3 and layout[0]["loss"] == pytest.approx(LN2, abs=1e-6)
+        for step, (a, b) in enumerate(zip(one, layout), 1):
+            assert LOSS_PARITY.allows(a["loss"], b["loss"], step), (step, a["loss"], b["loss"])
+            for key in ("rewards/margins", "logps/chosen"):
+                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (step, key)
 
 
 @pytest.mark.parametrize("overrides, message", [

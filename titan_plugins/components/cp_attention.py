@@ -41,7 +41,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "SequenceShard", "attend_sharded", "current_shard", "global_seq_len", "load_balanced_positions",
-    "rope_rows", "shard_sequence", "sharded_sequence", "token_positions", "unshard_sequence",
+    "owns_rows", "rope_rows", "row_sum", "shard_sequence", "sharded_sequence", "token_positions",
+    "unshard_sequence",
 ]
 
 
@@ -162,6 +163,27 @@ def sharded_sequence(shard: SequenceShard | None) -> Iterator[SequenceShard | No
 def current_shard() -> SequenceShard | None:
     """The sequence shard of the forward in flight (None: whole rows)."""
     return _SHARD.get()
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Per-row values of this rank's tokens (a row's summed log-probs, its token count)
+    summed over the cp group: the whole row's. Differentiable: the backward sums the
+    gradients the cp peers send back, so a per-row loss computed on one rank of the group
+    (:func:`owns_rows`) reaches every rank's tokens. Unchanged without a shard."""
+    shard = _SHARD.get()
+    if shard is None:
+        return x
+    from torch.distributed.nn.functional import all_reduce
+
+    return all_reduce(x, group=shard.group)
+
+
+def owns_rows() -> bool:
+    """Whether this rank reports per-row terms (a sequence-level loss, pairs counted):
+    every rank without CP; under CP the group's rank 0 only, so that summing the loss and
+    the counts over the cp group (as token-level ones are) counts each row once."""
+    shard = _SHARD.get()
+    return shard is None or shard.rank == 0
 
 
 def global_seq_len(local: int) -> int:

@@ -14,8 +14,9 @@ are summed over cp too (``components.moe.load_balance``).
 Refused before launch, one line each (``check_context_parallel``): a row length that
 does not split into ``2 cp`` chunks, a model whose spec does not declare CP
 (``Capabilities.cp``), and the combinations not done yet: PP, EP, ``training.compile``,
-QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``,
-``attn_backend=flex``.
+QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``
+and ``dpo`` (DPO's per-row log-probs are summed over the cp group:
+``cp_attention.row_sum``), DPO's ``precompute_ref``, ``attn_backend=flex``.
 """
 
 from __future__ import annotations
@@ -119,9 +120,12 @@ def check_context_parallel(job: DictConfig, model_name: str, model_config: Any, 
                               "FSDP, HSDP, TP and LoRA)")
     objective = job.get("objective")
     name = _value(objective.get("name", "sft")) if objective is not None else "sft"
-    if name != "sft":
-        raise ConfigError(f"objective={name} with parallelism.cp={cp}: not done yet (its per-sequence sums "
-                          "would be split over the cp ranks); context parallel trains objective=sft")
+    if name not in ("sft", "dpo"):
+        raise ConfigError(f"objective={name} with parallelism.cp={cp}: not done yet (its rollouts decode with "
+                          "a KV cache over whole rows); context parallel trains objective=sft and dpo")
+    if name == "dpo" and objective.get("precompute_ref"):
+        raise ConfigError(f"objective.precompute_ref=true with parallelism.cp={cp}: not done yet (the first pass "
+                          "stores whole rows' log-probs); use the frozen reference (precompute_ref=false)")
     if _value(getattr(model_config, "attn_backend", "auto")) == "flex":
         raise ConfigError(f"model.attn_backend=flex with parallelism.cp={cp}: context parallel runs SDPA "
                           "with a boolean mask over the gathered keys; use model.attn_backend=auto or sdpa")

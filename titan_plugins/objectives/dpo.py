@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from titan_plugins.components.cp_attention import owns_rows, row_sum
 from titan_plugins.errors import ConfigError
 from titan_plugins.loss.token_loss import IGNORE_INDEX, token_nll
 from titan_plugins.objectives.base import Objective
@@ -56,9 +57,12 @@ def _nll(output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nll.full_tensor() if isinstance(nll, DTensor) else nll
 
 
-def sequence_logps(output: torch.Tensor, labels: torch.Tensor) -> SequenceLogps:
-    logps = -_nll(output, labels).sum(-1)
-    lengths = (labels != IGNORE_INDEX).sum(-1).to(logps.dtype)
+def sequence_logps(output: torch.Tensor, labels: torch.Tensor, nll: torch.Tensor | None = None) -> SequenceLogps:
+    """Under context parallelism each rank holds chunks of every row: its sums are
+    added over the cp group (``row_sum``), every rank then has the whole rows'."""
+    nll = _nll(output, labels) if nll is None else nll
+    logps = row_sum(-nll.sum(-1))
+    lengths = row_sum((labels != IGNORE_INDEX).sum(-1).to(logps.dtype))
     return SequenceLogps((logps, lengths))
 
 
@@ -159,8 +163,8 @@ class DPOObjective(Objective):
     def count(self, labels: torch.Tensor) -> torch.Tensor:
         """Pairs, and (for ORPO's SFT term) the chosen completion tokens."""
         chosen, _ = _halves(labels)
-        return torch.stack([torch.tensor(labels.shape[0] // 2, device=labels.device),
-                            (chosen != IGNORE_INDEX).sum()])
+        pairs = labels.shape[0] // 2 if owns_rows() else 0  # cp: the group's rank 0 counts the pairs
+        return torch.stack([torch.tensor(pairs, device=labels.device), (chosen != IGNORE_INDEX).sum()])
 
     def empty_message(self, job: DictConfig) -> str:
         return f"data.name={job.data.name}: a global batch holds no preference pair"
@@ -172,8 +176,7 @@ class DPOObjective(Objective):
              reference: Any = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         pairs, chosen_tokens = scale
         nll = _nll(output, labels)
-        logps = -nll.sum(-1)
-        lengths = (labels != IGNORE_INDEX).sum(-1).to(logps.dtype)
+        logps, lengths = sequence_logps(output, labels, nll)
         chosen, rejected = _halves(logps)
         chosen_len, rejected_len = _halves(lengths)
         ref_c, ref_r = _halves(reference) if reference is not None else (None, None)
@@ -181,12 +184,16 @@ class DPOObjective(Objective):
             self.loss_type, beta=self.beta, label_smoothing=self.label_smoothing, simpo_gamma=self.simpo_gamma,
             chosen=chosen, rejected=rejected, chosen_len=chosen_len, rejected_len=rejected_len,
             ref_chosen=ref_c, ref_rejected=ref_r)
-        loss = losses.sum() / pairs
+        # Under cp every rank of the group has the whole rows' terms: one reports them (the
+        # others' 0 x loss still runs backward, through row_sum, to their tokens).
+        owner = 1.0 if owns_rows() else 0.0
+        loss = losses.sum() / pairs * owner
         stats = {
             "rewards/chosen": r_c.sum(), "rewards/rejected": r_r.sum(),
             "rewards/accuracies": (r_c > r_r).float().sum(), "rewards/margins": (r_c - r_r).sum(),
             "logps/chosen": chosen.detach().sum(), "logps/rejected": rejected.detach().sum(),
         }
+        stats = {k: v * owner for k, v in stats.items()}
         if self.loss_type == "orpo":
             sft = _halves(nll)[0].sum() / chosen_tokens  # the chosen tokens' mean NLL
             loss = loss + sft

@@ -87,7 +87,9 @@ def run_microbatches(run: JobView, batches: list[Any], *, train: bool, acc_dtype
     cp, shard = context_parallel(getattr(run, "dims", None)), None
     if cp is not None:  # parallelism.cp: positions, masks and the K/V exchange follow the shard
         shard, batches = cp.shard_batches(batches, Batch)
-    count = global_count(run, batches) if count is None else count
+    if count is None:
+        with sharded_sequence(shard):  # per-row counts (DPO's pairs) are one cp rank's (owns_rows)
+            count = global_count(run, batches)
     model = run.model
     objective.set_scale(count)
     loss_sum = torch.zeros((), dtype=acc_dtype, device=run.device)
