@@ -87,7 +87,6 @@ def pm():
         (["model=tiny", "parallelism=cp2"], "model 'tiny' does not support parallelism.cp=2"),
         (["model=qwen3", "parallelism=cp2", "training.seq_len=30"],
          "training.seq_len=30 does not split into 2*cp=4 equal chunks"),
-        (["model=qwen3", "parallelism=cp2", "parallelism.pp=2"], "parallelism.cp=2 with parallelism.pp=2: not done yet"),
         (["model=qwen3", "model.flavor=debugmodel_moe", "parallelism=fsdp2_cp2", "parallelism.ep=2"],
          "parallelism.cp=2 with parallelism.ep=2: not done yet"),
         (["model=qwen3", "parallelism=cp2", "training.compile=true"], "with training.compile=true: not done yet"),
@@ -347,8 +346,30 @@ DOCS = "model.attn_mask=block_causal data=synthetic data.vocab_size=16 model.eos
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # test_qwen3_pp2_cp2_block_causal_equals_one_rank runs the same cp2 under a pipeline
 def test_qwen3_cp2_block_causal_equals_one_rank(tmp_path, capsys):
     out = _compare(tmp_path, capsys, f"model=qwen3 {DOCS}", "parallelism=cp2")
+    assert _loss_diff(out) < 1e-5, out
+
+
+# Pipeline x cp: every stage runs on the rank's chunks; the later stage gets the whole
+# rows' document ids through PipelineInfo.stage_inputs and rotary rows by global position.
+@pytest.mark.slow
+def test_qwen3_pp2_cp2_block_causal_equals_one_rank(tmp_path, capsys):
+    out = _compare(tmp_path, capsys, f"model=qwen3 model.enable_weight_tying=false {DOCS}",
+                   "parallelism.pp=2 parallelism.cp=2")
+    assert _loss_diff(out) < 1e-5, out
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.parametrize("model", [
+    f"model=llama4 model.n_layers=4 model.flavor=debugmodel_irope model.fixed_attn_block_size=12 {DOCS}",
+    "model=deepseek_v3 model.n_layers=2",
+    "model=hf model.flavor=tiny_llama data=synthetic data.vocab_size=256",
+], ids=["llama4_irope_documents", "deepseek_v3", "hf_llama"])
+def test_pp2_cp2_equals_one_rank(tmp_path, capsys, model):
+    out = _compare(tmp_path, capsys, model, "parallelism.pp=2 parallelism.cp=2")
     assert _loss_diff(out) < 1e-5, out
 
 

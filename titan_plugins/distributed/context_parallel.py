@@ -13,7 +13,8 @@ are summed over cp too (``components.moe.load_balance``).
 
 Refused before launch, one line each (``check_context_parallel``): a row length that
 does not split into ``2 cp`` chunks, a model whose spec does not declare CP
-(``Capabilities.cp``), and the combinations not done yet: PP, EP, ``training.compile``,
+(``Capabilities.cp``), and the combinations not done yet: EP (measured: the experts'
+gradients come out different from one rank's), ``training.compile``,
 QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``
 and ``dpo`` (DPO's per-row log-probs are summed over the cp group:
 ``cp_attention.row_sum``), DPO's ``precompute_ref``, ``attn_backend=flex``.
@@ -109,7 +110,6 @@ def check_context_parallel(job: DictConfig, model_name: str, model_config: Any, 
         raise ConfigError(f"training.seq_len={seq} does not split into 2*cp={2 * cp} equal chunks "
                           f"(parallelism.cp={cp} needs seq_len divisible by {2 * cp})")
     not_yet = [
-        (dims.pp > 1, f"parallelism.pp={dims.pp}"),
         (dims.ep > 1, f"parallelism.ep={dims.ep}"),
         (bool(job.training.get("compile")), "training.compile=true"),
         (job.get("peft") is not None and _value(job.peft.get("method", "none")) == "qlora", "peft.method=qlora"),

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from titan_plugins.errors import ConfigError
 from titan_plugins.objectives.job import step_seed
 from titan_plugins.objectives.rollout import Completions
+from titan_plugins.objectives.rollout_vllm_llm import VLLM_LORA_RANKS  # no vLLM import until called
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +56,6 @@ if TYPE_CHECKING:
 __all__ = ["ColocatedEngine", "SamplingRequest", "VLLMRollout", "check_vllm_layout", "check_vllm_runtime",
            "group_major", "vllm_options"]
 
-# vLLM's LoRA ranks (``LoRAConfig.max_lora_rank``): an adapter's rank is rounded up to one.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from titan_plugins.objectives.rollout_vllm_weights import LoraAdapter
     from titan_plugins.spec import ModelSpec
 
-__all__ = ["VLLMEngine", "llm_kwargs", "sampling_kwargs"]
+__all__ = ["VLLM_LORA_RANKS", "VLLMEngine", "llm_kwargs", "sampling_kwargs"]
 
 
 def sampling_kwargs(request: SamplingRequest, index: int) -> dict[str, Any]:
@@ -38,9 +38,11 @@ def sampling_kwargs(request: SamplingRequest, index: int) -> dict[str, Any]:
     }
 
 
-def _lora_rank(rank: int) -> int:
-    from titan_plugins.objectives.rollout_vllm import VLLM_LORA_RANKS
+# vLLM's LoRA ranks (``LoRAConfig.max_lora_rank``): an adapter's rank is rounded up to one.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
+
+def _lora_rank(rank: int) -> int:
     return next(r for r in VLLM_LORA_RANKS if r >= rank)
 
 
