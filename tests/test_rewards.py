@@ -32,7 +32,7 @@ def exact(prompts, completions, completion_ids, **kwargs):
 
 def test_builtins_and_an_installed_reward_are_discovered():
     reg = discover([(_EP("exact", "pkg.mod:exact", exact), "my-dist==1.0")])
-    assert {"accuracy", "format", "length", "exact"} <= set(reg.refs) and not reg.errors
+    assert {"accuracy", "format", "length", "reward_model", "exact"} <= set(reg.refs) and not reg.errors
     assert reg.origins["exact"] == "my-dist==1.0" and reg.descriptions["exact"] == "1 for a completion of one token."
     (name, fn), = load_rewards(["exact"], registry=reg)
     assert name == "exact" and fn(prompts=["p"], completions=["c"], completion_ids=[[1]]) == [1.0]
@@ -140,7 +140,7 @@ def test_titan_run_list_shows_the_rewards_and_a_broken_one(monkeypatch, capsys):
     assert run_main(["--list"]) == 0
     out = capsys.readouterr().out
     listed = out[out.index("rewards (objective.reward_funcs=[NAME,...]):"):].splitlines()
-    assert [line.split()[0] for line in listed[1:5]] == ["accuracy", "format", "length", "exact"]
+    assert [line.split()[0] for line in listed[1:6]] == ["accuracy", "format", "length", "reward_model", "exact"]
     assert "reward 'bad' (pkg.bad:f) from bad-dist==2 failed to load: ImportError" in out
     assert run_main(["--list", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)

@@ -155,7 +155,8 @@ def run_list(args: argparse.Namespace, pm: TitanPluginManager) -> int:
     out.extend(f"  {o['name']:<10} {o['origin']}  [{o['data']}]  {o['description']}" for o in data["objectives"])
     out.append("")
     out.append("rewards (objective.reward_funcs=[NAME,...]):")
-    out.extend(f"  {r['name']:<10} {r['origin']}  {r['description']}" for r in data["rewards"])
+    width = max((len(r["name"]) for r in data["rewards"]), default=0)
+    out.extend(f"  {r['name']:<{width}} {r['origin']}  {r['description']}" for r in data["rewards"])
     if data["errors"]:
         out.append("")
         out.append(f"{len(data['errors'])} load error(s):")

@@ -112,14 +112,17 @@ class GRPOObjective(Objective):
     def needs_reference(self) -> bool:
         return self.beta != 0.0
 
-    def load_rewards(self) -> list[tuple[str, Any]]:
-        """``[(name, function)]``, options bound (``length`` defaults to ``max_completion_length``)."""
+    def load_rewards(self, device: str | None = None) -> list[tuple[str, Any]]:
+        """``[(name, function)]``, options bound (``length`` defaults to ``max_completion_length``,
+        ``reward_model`` to ``device``, the rank's own, where it is given; the first call binds)."""
         if self.rewards is None:
             from titan_plugins.rewards import load_rewards
 
             options = {str(k): dict(v or {}) for k, v in self.reward_options.items()}
             if "length" in self.reward_names:
                 options.setdefault("length", {}).setdefault("max_completion_len", self.max_completion_length)
+            if "reward_model" in self.reward_names and device is not None:
+                options.setdefault("reward_model", {}).setdefault("device", device)
             self.rewards = load_rewards(self.reward_names, options)
         return self.rewards
 

@@ -59,7 +59,7 @@ class RolloutStage:
         self.stops = {int(i) for i in self.tokenizer.eos_ids} | {int(self.tokenizer.pad_id)}
         self.pad_id = int(self.tokenizer.pad_id)
         self.seq_len = int(run.config.training.seq_len)
-        self.rewards = objective.load_rewards()
+        self.rewards = objective.load_rewards(str(run.device))
         self.weights = torch.tensor(objective.reward_weights, dtype=torch.float32)
         self.cycle: tuple[int, list[RolloutBatch], dict[str, float]] | None = None
 

@@ -10,7 +10,9 @@ Discovery mirrors the objectives' (``titan_plugins.objectives.registry``): each 
 point is loaded in its own try/except, so a broken one is one line naming it and its
 distribution; two claiming one name is an error naming both; ``TITAN_PLUGINS_BLOCK``
 names blocked ones too. A run is strict (a failure stops it before launch); listing
-is lenient.
+is lenient. A reward function may carry a ``check_options(options)`` attribute that
+raises ValueError for bad ``objective.reward_options.<name>``: it runs when the job is
+prepared, so a bad folder or option is one line before launch (``reward_model`` does).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ BUILTIN_REWARDS: dict[str, tuple[str, str]] = {
                "<think>...</think><answer>...</answer>), else 0"),
     "length": (f"{_BUILTIN}:length", "DAPO's soft overlong punishment: 0 up to max_completion_len - "
                "soft_punish_cache tokens, then down to -1 at max_completion_len"),
+    "reward_model": ("titan_plugins.rewards.reward_model:reward_model", "a Hugging Face sequence-classification "
+                     "folder's score of prompt + completion, as TRL scores a reward model (option path=FOLDER)"),
 }
 
 
@@ -108,6 +112,20 @@ def discover(entry_points: Iterable[tuple[Any, str]] | None = None) -> RewardReg
     return reg
 
 
+def _check_options(name: str, fn: Any, options: Mapping[str, Any]) -> None:
+    """A reward may carry ``check_options(options)``, raising ValueError for a bad folder or
+    option: called here, when the job is prepared, so that it stops the run before launch."""
+    check = getattr(fn, "check_options", None)
+    if check is None:
+        return
+    try:
+        check(options)
+    except (ValueError, TypeError) as exc:
+        text = str(exc).strip()
+        raise ConfigError(f"objective.reward_options.{name}: {text.splitlines()[0] if text else type(exc).__name__}"
+                          ) from None
+
+
 def load_rewards(names: Iterable[str], options: Mapping[str, Mapping[str, Any]] | None = None,
                  registry: RewardRegistry | None = None) -> list[tuple[str, Callable[..., list[float | None]]]]:
     """``[(name, function)]`` of ``names``, each with its ``options`` bound as keyword
@@ -126,5 +144,6 @@ def load_rewards(names: Iterable[str], options: Mapping[str, Mapping[str, Any]] 
     out = []
     for name in names:
         fn = reg.get(name)
+        _check_options(name, fn, options.get(name, {}))
         out.append((name, functools.partial(fn, **options[name]) if options.get(name) else fn))
     return out
