@@ -42,12 +42,17 @@ from pathlib import Path
 from titan_plugins import hookimpl
 
 HERE = Path(__file__).resolve().parent
-FAMILIES = {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM"}
-PRESETS = {"single": 1, "fsdp2": 2}
+FAMILIES = {"qwen3": "Qwen3ForCausalLM", "llama3": "LlamaForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+FIRST_PARTY = {"qwen3": "qwen3", "llama3": "llama3", "qwen3_moe": "qwen3"}  # the plugin that loads the folder
+MODEL_TYPES = {"qwen3": "qwen3", "llama3": "llama", "qwen3_moe": "qwen3_moe"}
+PRESETS = {"single": 1, "fsdp2": 2, "fsdp2_ep2": 2}
 SEQ_LEN, LOCAL_BATCH, VOCAB = 512, 2, 8192
 SHAPE = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=64, vocab_size=VOCAB, max_position_embeddings=2048,
              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+# Qwen3-MoE's shape at the same width: 8 experts of hidden 512, top-2 (normalised), every layer MoE
+MOE_SHAPE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=512, norm_topk_prob=True,
+                 decoder_sparse_step=1, mlp_only_layers=[])
 
 
 # ---------------------------------------------------------------- in the ranks (a plugin)
@@ -76,7 +81,8 @@ def write_folder(family: str, folder: Path) -> None:
     import torch
     import transformers
 
-    config = transformers.AutoConfig.for_model("qwen3" if family == "qwen3" else "llama", **SHAPE)
+    config = transformers.AutoConfig.for_model(MODEL_TYPES[family], **SHAPE,
+                                               **(MOE_SHAPE if family == "qwen3_moe" else {}))
     config.architectures = [FAMILIES[family]]
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             for family in families:
                 for layout in layouts:
-                    for side in ([family, "hf"] if rnd % 2 == 0 else ["hf", family]):
+                    for side in ([FIRST_PARTY[family], "hf"] if rnd % 2 == 0 else ["hf", FIRST_PARTY[family]]):
                         r = run_case(side, folders[family], layout, args, tmp / family / f"{layout}-{side}-{rnd}")
                         rows.setdefault((family, layout, side), []).append(r)
                         print(json.dumps({"round": rnd, "family": family, "layout": layout, "model": side, **r}),
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|" + "---:|" * 12)
     for family in families:
         for layout in layouts:
-            sides = rows[(family, layout, family)], rows[(family, layout, "hf")]
+            sides = rows[(family, layout, FIRST_PARTY[family])], rows[(family, layout, "hf")]
             steps = [[t for r in side for t in r["steps_s"]] for side in sides]
             tokens = sides[0][0]["tokens"]
             values = [[tokens / min(s) for s in steps], [tokens / statistics.median(s) for s in steps]]
