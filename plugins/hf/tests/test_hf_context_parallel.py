@@ -138,3 +138,25 @@ def test_refused_in_one_line_before_launch(flavor, overrides, message):
         prepare_job(["model=hf", f"model.flavor={flavor}", "parallelism=cp2", "training.seq_len=32", *overrides],
                     get_plugin_manager(strict=True))
     assert message in str(info.value) and "\n" not in str(info.value), str(info.value)
+
+
+@pytest.mark.parametrize("flavor, kv_width", [
+    ("tiny_llama", 2 * 2 * 16),  # k_proj and v_proj: 2 KV heads of 16
+    ("tiny_phi3", 2 * 2 * 16),  # a fused qkv_proj: its k and v share, from the config's head counts
+])
+def test_plan_sizes_the_key_value_exchange(flavor, kv_width):
+    from titan_plugins.config.hydra_glue import compose, resolve_job
+    from titan_plugins.plan import make_plan
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import typed_job
+
+    pm = get_plugin_manager(strict=True)
+    spec, job = resolve_job(compose(["model=hf", f"model.flavor={flavor}", "data=synthetic", "data.vocab_size=256",
+                                     "training.seq_len=64", "parallelism=fsdp2_cp2"], pm), pm)
+    rank = make_plan(spec, typed_job(job), pm).ranks[0]
+    gathers = [c for c in rank.collectives if c.mesh == "cp"]
+    batch = int(job.training.local_batch_size)
+    # 2 layers, each an all-gather of the whole row's keys and values and a reduce-scatter back, fp32
+    assert {c.kind for c in gathers} == {"all_gather", "reduce_scatter"} and len(gathers) == 4
+    assert all(c.bytes == batch * 64 * kv_width * 4 for c in gathers), [c.bytes for c in gathers]
+    assert rank.activations.cp_mask_bytes == 32 * 64
