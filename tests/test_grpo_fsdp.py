@@ -2,7 +2,8 @@
 samples its prompts with the sharded policy (every rank running the same forwards), each
 completion drawn from its own generator, so two ranks with one microbatch each sample
 the very tokens one rank samples with two accumulation microbatches, and train to the
-same weights bit for bit (the logged grad norm, computed over shards, to float rounding)."""
+same weights bit for bit (the logged grad norm, computed over shards, to float rounding).
+Under fsdp2_tp2 (4 ranks) the same tokens are sampled and the weights agree within 1e-4."""
 
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_fsdp2_samples_and_trains_as_one_rank_with_two_microbatches(tmp_path):
     assert 0 < one[0]["rewards/format/mean"] < 1
     final = [torch.load(tmp_path / name / "final_params.pt") for name in ("one", "fsdp2")]
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+    # Under TP the heads are split and the head's vocabulary too (loss_parallel): the
+    # sampler gathers the logits, so the same tokens come out; the update differs from
+    # one rank only by TP's reduction order.
+    tp, tp_completions = _go(tmp_path, "fsdp2_tp2", *start, "parallelism=fsdp2_tp2")
+    assert tp_completions == one_completions
+    for a, b in zip(one, tp, strict=True):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    final_tp = torch.load(tmp_path / "fsdp2_tp2" / "final_params.pt")
+    assert max((final[0][k] - final_tp[k]).abs().max().item() for k in final[0]) < 1e-4

@@ -135,9 +135,6 @@ class GRPOObjective(Objective):
         if int(par.pp) > 1:
             raise ConfigError(f"parallelism.pp={par.pp}: objective.name=grpo decodes with the whole model on each "
                               "rank (the KV cache); use FSDP/HSDP without PP")
-        if int(par.tp) > 1:
-            raise ConfigError(f"parallelism.tp={par.tp}: objective.name=grpo's rollouts run on data-parallel "
-                              "layouts only so far (one rank, FSDP, HSDP); TP is not done")
         if int(par.get("ep", 1) or 1) > 1:
             raise ConfigError(f"parallelism.ep={par.ep}: objective.name=grpo's rollouts are not done under expert "
                               "parallelism yet; use FSDP/HSDP without EP")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titan_plugins.components.kv_cache import KVCache
 from titan_plugins.components.sampling import SamplingConfig, sample_next
@@ -64,6 +65,8 @@ def sample_completions(model: torch.nn.Module, prompts: list[list[int]], seeds: 
     step_in = ids
     for _ in range(cfg.max_new_tokens):
         logits = last_logits(model(step_in, cache=cache))
+        if isinstance(logits, DTensor):  # TP's loss_parallel head: the vocabulary is sharded over tp
+            logits = logits.full_tensor()
         cache.advance(step_in.shape[1])
         nxt = torch.cat([sample_next(logits[i:i + 1], cfg, generators[i]) for i in range(len(prompts))])
         nxt = torch.where(done, stop[0], nxt)
