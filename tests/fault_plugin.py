@@ -1,4 +1,5 @@
 """A test plugin that parks every rank after a chosen step (``TITAN_TEST_PARK_AFTER=N``),
+inside GRPO's generation or update of one (``TITAN_TEST_PARK_IN_ROLLOUT`` / ``_IN_UPDATE``),
 inside the save of a chosen step (``TITAN_TEST_PARK_IN_SAVE=N``) or inside the native
 rollout engine's generation of a chosen step (``TITAN_TEST_PARK_IN_ROLLOUT=N``), so that
 a test can send a real signal to a real rank process mid-run, mid-save or mid-generation,
@@ -42,6 +43,9 @@ def titan_on_train_start(job_config: Any, run_dir: str, rank: int) -> None:
     in_rollout = int(os.environ.get("TITAN_TEST_PARK_IN_ROLLOUT", "0"))
     if in_rollout:
         _park_in_rollout(in_rollout, run_dir, rank)
+    in_update = int(os.environ.get("TITAN_TEST_PARK_IN_UPDATE", "0"))
+    if in_update:
+        _park_in_update(in_update, run_dir, rank)
     park = int(os.environ.get("TITAN_TEST_PARK_IN_SAVE", "0"))
     if not park:
         return
@@ -86,6 +90,30 @@ def _park_in_rollout(park: int, run_dir: str, rank: int) -> None:
 
     native.NativeRollout.complete = complete
     native.last_logits = last_logits
+
+
+def _park_in_update(park: int, run_dir: str, rank: int) -> None:
+    """``TITAN_TEST_PARK_IN_UPDATE=N`` (``rollout=native``): every rank parks at step N's
+    optimizer step, its rollout sampled and scored, its backward done (the gradients
+    reduced), the weights not yet updated: the engine's ``complete`` notes the step, a
+    global optimizer pre-step hook parks."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from titan_plugins.objectives import rollout_native as native
+
+    real_complete = native.NativeRollout.complete
+    now = {"step": 0}
+
+    def complete(self: Any, run: Any, step: int, *args: Any, **kwargs: Any) -> Any:
+        now["step"] = step
+        return real_complete(self, run, step, *args, **kwargs)
+
+    def before_step(*_: Any) -> None:
+        if now["step"] == park:
+            _park(run_dir, rank)
+
+    native.NativeRollout.complete = complete
+    register_optimizer_step_pre_hook(before_step)
 
 
 @hookimpl

@@ -12,7 +12,8 @@ C  the next run finds step-6 (truncated .metadata) and step-4 (truncated and mis
 The next tests reuse A: SIGINT to a launcher in the background of a script, preemption
 on checkpoint.on_signal and its resume; then non-finite steps (stop and skip). Last, the
 faults on fine-tuning runs (a tiny qwen3): LoRA on chat data (adapter-only checkpoints,
-data-loader workers), GRPO (a kill during the rollout's generation too) and, extended,
+data-loader workers), GRPO (kills during the rollout's generation and during the update,
+a SIGTERM preemption with checkpoint.on_signal, too) and, extended,
 DPO, context parallelism and model=hf on an architecture outside its tested nine
 (Granite), each against one reference run of its kind (FAULTS). After every job: no
 process of its session is left.
@@ -329,7 +330,7 @@ def fine_tuning(request, tmp_path_factory) -> tuple[str, Path, list[str]]:
 # forward done, no token sampled (step 4 not trained).
 AFTER_3, IN_SAVE_4, AFTER_5 = ({"TITAN_TEST_PARK_AFTER": "3"}, {"TITAN_TEST_PARK_IN_SAVE": "4"},
                                {"TITAN_TEST_PARK_AFTER": "5"})
-IN_ROLLOUT_4 = {"TITAN_TEST_PARK_IN_ROLLOUT": "4"}
+IN_ROLLOUT_4, IN_UPDATE_4 = {"TITAN_TEST_PARK_IN_ROLLOUT": "4"}, {"TITAN_TEST_PARK_IN_UPDATE": "4"}
 FAULTS = {
     "lora_chat": [("kill", 0, IN_SAVE_4, 0, ["step-2", "step-4.tmp"]),  # rank 0 writes the manifest, renames
                   ("term", None, AFTER_5, 2, ["step-2", "step-4"]),  # the unfinished save pruned by the next
@@ -341,8 +342,10 @@ FAULTS = {
             ("end", None, {}, 5, ["step-4", "step-5", "step-6"])],
     "grpo": [("kill", 1, AFTER_3, 0, ["step-2"]),
              ("kill", 0, IN_ROLLOUT_4, 2, ["step-2"]),
+             ("kill", 1, IN_UPDATE_4, 2, ["step-2"]),  # sampled and scored, backward done, no update
              ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
-             ("end", None, {}, 2, ["step-2", "step-4", "step-6"])],
+             ("preempt", signal.SIGTERM, AFTER_5, 2, ["step-2", "step-4", "step-5"]),
+             ("end", None, {}, 5, ["step-4", "step-5", "step-6"])],
     "cp": [("kill", 0, AFTER_3, 0, ["step-2"]),
            ("kill", 1, IN_SAVE_4, 2, ["step-2", "step-4.tmp"]),
            ("end", None, {}, 2, ["step-2", "step-4", "step-6"])],
@@ -357,7 +360,13 @@ def _trained_to(park: dict[str, str]) -> int:
     if not park:
         return 6
     ((what, step),) = park.items()
-    return int(step) - (what == "TITAN_TEST_PARK_IN_ROLLOUT")
+    return int(step) - (what in ("TITAN_TEST_PARK_IN_ROLLOUT", "TITAN_TEST_PARK_IN_UPDATE"))
+
+
+def _sampled_to(park: dict[str, str]) -> int:
+    """The last step whose completions a launch parked at ``park`` wrote (an update parks
+    after its step's rollout)."""
+    return _trained_to(park) + ("TITAN_TEST_PARK_IN_UPDATE" in park)
 
 
 def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
@@ -408,7 +417,7 @@ def test_fine_tuning_faults_resume_bit_for_bit(tmp_path, fine_tuning):
         assert _steps(run_dir, start + 1, last) == ref[start:last], what  # what this launch trained
         if kind == "grpo":  # the completions it sampled (none of a step parked in its rollout): the reference's
             new, seen = _completions(run_dir, seen)  # tokens, rewards and advantages
-            assert new == {s: sampled[s] for s in range(start + 1, last + 1)}, what
+            assert new == {s: sampled[s] for s in range(start + 1, _sampled_to(park) + 1)}, (what, park)
         assert _names(folder) == after, what
         before = proc
     assert _left_behind(before) == []
