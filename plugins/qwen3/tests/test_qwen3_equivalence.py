@@ -58,10 +58,20 @@ def test_dense_untied_no_qk_norm_equivalence():
     _compare("debugmodel", atol=1e-5, n_layers=2, enable_weight_tying=False, qk_norm=False)
 
 
-def test_moe_equivalence():
+# The flavor's 64 experts of hidden 768 cost ~30 s here: make test runs 16 experts of 256
+# (top-8 routing, shared experts, the grouped GEMMs: the same code), make test-all the flavor.
+@pytest.mark.parametrize("experts", [
+    pytest.param(None, marks=pytest.mark.extended, id="flavor"),
+    pytest.param((16, 256), id="16x256"),
+])
+def test_moe_equivalence(experts):
+    overrides = {}
+    if experts is not None:
+        cfg = FLAVORS["debugmodel_moe"]
+        overrides = {"moe": dataclasses.replace(cfg.moe, num_experts=experts[0]), "moe_inter_dim": experts[1]}
     torch.use_deterministic_algorithms(True)
     try:
-        diff = _compare("debugmodel_moe", atol=1e-5, n_layers=2)
+        diff = _compare("debugmodel_moe", atol=1e-5, n_layers=2, **overrides)
     finally:
         torch.use_deterministic_algorithms(False)
     print(f"moe max |logits diff| = {diff:.3e}")
