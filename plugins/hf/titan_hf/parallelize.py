@@ -2,8 +2,9 @@
 
 Everything is found from the model's own structure: the decoder layers are the list
 transformers built (checked against the architecture's ``_no_split_modules``), the
-tensor-parallel plan is the model's ``base_model_tp_plan`` mapped onto torch's styles
-(:func:`torch_style`). Activations between modules stay plain local tensors, as
+tensor-parallel plan is the model's ``base_model_tp_plan`` (or, where it declares none,
+one derived from the layer's projections: ``titan_hf.tp_plan``) mapped onto torch's
+styles (:func:`torch_style`). Activations between modules stay plain local tensors, as
 transformers' attention expects (it reads head counts off the local shapes):
 
 - without SP: hidden states replicated, column-wise projections give local heads /
@@ -22,18 +23,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
 )
 
 from titan_hf.context_parallel import use_cp_attention
-from titan_hf.validate import expert_plan, layer_plan, validate
+from titan_hf.tp_plan import DERIVED, LayerPlans, tp_plans
+from titan_hf.validate import expert_plan, validate
 from titan_plugins.distributed.activation_checkpoint import apply_activation_checkpointing
 from titan_plugins.distributed.compile import apply_compile
 from titan_plugins.distributed.fsdp import apply_fsdp
@@ -63,19 +64,57 @@ def torch_style(style: str, *, sequence_parallel: bool) -> ParallelStyle:
     return styles[style]()
 
 
+class GatherSequence(ParallelStyle):
+    """Under SP a block's hidden states (``hidden_states=``, else its first argument, as
+    the layer calls it) arrive as a sequence shard: all-gathered into a ``Replicate()``
+    DTensor before it runs, as ``PrepareModuleInput`` does for a fixed call form."""
+
+    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+        def gather(x):
+            if not isinstance(x, DTensor):
+                x = DTensor.from_local(x, device_mesh, (Shard(1),), run_check=False)
+            return x.redistribute(device_mesh, (Replicate(),))
+
+        def hook(_module, args, kwargs):
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": gather(kwargs["hidden_states"])}
+            return (gather(args[0]), *args[1:]), kwargs
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
 def _norm_children(module: nn.Module) -> list[str]:
     return [name for name, child in module.named_children() if "Norm" in type(child).__name__]
 
 
-def _check_sequence_parallel(model: HFCausalLM, layer: nn.Module, gathered: set[str]) -> None:
+def _plan_source(model: HFCausalLM, plans: LayerPlans) -> str:
+    arch = model.config.architecture
+    return f"{arch} declares no tensor-parallel plan; the {DERIVED}" if plans.derived else \
+        f"{arch}'s base_model_tp_plan"
+
+
+def _check_sequence_parallel(model: HFCausalLM, plans: LayerPlans, key: str) -> None:
     """Under SP a layer's other children see a sequence shard: one holding weights the
     plan does not gather for (an MoE block beside an attention-only plan) would sum
-    nothing over the TP ranks, so its gradient would be one rank's."""
-    norms = set(_norm_children(layer))
+    nothing over the TP ranks, so its gradient would be one rank's; so would the
+    layer's own parameters (a residual scale)."""
+    layer = model.layers[key]
+    gathered, norms = _gathered(plans.plans[key]), set(_norm_children(layer))
+    own = next((n for n, _ in layer.named_parameters(recurse=False)), None)
+    if own is not None:
+        raise ConfigError(f"parallelism.sequence_parallel=true: {model.config.architecture}'s decoder layer holds "
+                          f"its own parameter {own!r}, which would see a sequence shard; run with "
+                          "parallelism.sequence_parallel=false")
+    handed = next((w for b in plans.blocks.get(key, ()) for w in b.hands_out), None)
+    if handed is not None:
+        raise ConfigError(f"parallelism.sequence_parallel=true: {_plan_source(model, plans)} hands the layer "
+                          f"its parameter {handed!r}, which the layer would use on a sequence shard; run with "
+                          "parallelism.sequence_parallel=false")
     for name, child in layer.named_children():
         if name not in gathered and name not in norms and any(True for _ in child.parameters()):
             raise ConfigError(
-                f"parallelism.sequence_parallel=true: {model.config.architecture}'s base_model_tp_plan "
+                f"parallelism.sequence_parallel=true: {_plan_source(model, plans)} "
                 f"leaves the layer's {name!r} ({type(child).__name__}) out; run with "
                 "parallelism.sequence_parallel=false")
 
@@ -87,31 +126,41 @@ def _gathered(plan: dict[str, str]) -> set[str]:
 def check_sequence_parallel(model: HFCausalLM) -> None:
     """``_check_sequence_parallel`` on every decoder layer (a model on meta will do): the
     launcher refuses before any rank starts what ``apply_tp`` would refuse in each rank."""
-    gathered = _gathered(layer_plan(model.hf_config))
-    for layer in model.layers.values():
-        _check_sequence_parallel(model, layer, gathered)
+    plans = tp_plans(model)
+    for key in model.layers:
+        _check_sequence_parallel(model, plans, key)
+
+
+def _copy_output(_module: nn.Module, _args, output):
+    return output.clone()
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parallel: bool) -> None:
-    """The model's own plan on each decoder layer, then embedding, norm and head."""
+    """The model's own plan (or the derived one) on each decoder layer, then embedding,
+    norm and head."""
     sp = sequence_parallel
-    plan = layer_plan(model.hf_config)
-    for layer in model.layers.values():
+    plans = tp_plans(model)
+    if plans.derived and _is_rank0():  # in the run's log: what was split, and how
+        print(f"model=hf: {DERIVED}: {plans.summary()}", flush=True)
+    for key, layer in model.layers.items():
+        plan = plans.plans[key]
         layer_styles = {path: torch_style(style, sequence_parallel=sp) for path, style in plan.items()}
         if sp:
-            gathered = _gathered(plan)
-            _check_sequence_parallel(model, layer, gathered)
-            for parent in sorted(gathered):
-                if parent == "self_attn":  # called as self_attn(hidden_states=...)
-                    layer_styles[parent] = PrepareModuleInput(
-                        input_kwarg_layouts={"hidden_states": Shard(1)},
-                        desired_input_kwarg_layouts={"hidden_states": Replicate()})
-                else:  # called as mlp(hidden_states)
-                    layer_styles[parent] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                              desired_input_layouts=(Replicate(),))
+            _check_sequence_parallel(model, plans, key)
+            for parent in sorted(_gathered(plan)):
+                layer_styles[parent] = GatherSequence()
             for name in _norm_children(layer):
                 layer_styles[name] = SequenceParallel(use_local_output=True)
         parallelize_module(layer, tp_mesh, layer_styles)
+        for block in plans.blocks.get(key, ()):
+            for path in block.modified:  # after the style's own hook: a copy the model may change
+                layer.get_submodule(path).register_forward_hook(_copy_output)
     act = Shard(1) if sp else Replicate()
     root: dict[str, ParallelStyle] = {}
     if model.tok_embeddings is not None:

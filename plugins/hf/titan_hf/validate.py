@@ -28,7 +28,8 @@ def _per_layer(plan: dict[str, str] | None) -> dict[str, str]:
 
 def layer_plan(hf: Any) -> dict[str, str]:
     """The decoder-layer part of the model's ``base_model_tp_plan``, keyed by the module
-    path inside one layer (``self_attn.q_proj``)."""
+    path inside one layer (``self_attn.q_proj``); where it reaches no layer module,
+    ``titan_hf.tp_plan`` derives one."""
     return _per_layer(getattr(hf, "base_model_tp_plan", None))
 
 
@@ -65,36 +66,37 @@ def _check_ep(config: HFModelConfig, hf: Any, values: dict[str, Any], dims: Para
                           "(transformers' base_model_ep_plan); set parallelism.etp=1")
 
 
-def _check_tp(config: HFModelConfig, hf: Any, tp: int) -> None:
+def _check_tp(config: HFModelConfig, hf: Any, tp: int, *, sequence_parallel: bool) -> None:
+    """Head and width counts, then the layers' plan (declared, else derived; read from
+    the model built on meta, so a refusal comes before launch, not from every rank): its
+    styles, the sizes it splits, and sequence parallelism beside it."""
+    import torch
+
+    from titan_hf.model import build
+    from titan_hf.parallelize import check_sequence_parallel
+    from titan_hf.tp_plan import check_divisible, check_left_out, tp_plans
+
     arch = config.architecture
-    plan = layer_plan(hf)
-    if not plan:
-        raise ConfigError(f"parallelism.tp={tp}: {arch} declares no tensor-parallel plan for its decoder "
-                          "layers (transformers' base_model_tp_plan); use dp_shard/pp for this model")
-    odd = sorted({s for s in plan.values() if s not in TP_STYLES})
-    if odd:
-        raise ConfigError(f"parallelism.tp={tp}: {arch}'s base_model_tp_plan uses style {odd[0]!r}, which "
-                          f"model=hf does not map (it maps {', '.join(sorted(TP_STYLES))})")
     for key, n in (("n_heads", config.n_heads), ("n_kv_heads", config.n_kv_heads)):
         if n % tp:
             raise ConfigError(f"parallelism.tp={tp}: model.{key}={n} is not divisible by it")
     for key, n in (("intermediate_size", getattr(hf, "intermediate_size", None)), ("vocab_size", config.vocab_size)):
         if n and n % tp:
             raise ConfigError(f"parallelism.tp={tp}: {key}={n} is not divisible by it")
-
-
-def _check_sequence_parallel_on_meta(config: HFModelConfig) -> None:
-    """SP needs every weighted child of a layer inside the TP plan (an MoE block beside an
-    attention-only plan would train on one rank's gradient): read from the model built on
-    meta, so the line comes before launch, not from every rank."""
-    import torch
-
-    from titan_hf.model import build
-    from titan_hf.parallelize import check_sequence_parallel
-
     with torch.device("meta"):
         model = build(config)
-    check_sequence_parallel(model)
+    try:
+        plans = tp_plans(model)
+    except ConfigError as exc:
+        raise ConfigError(f"parallelism.tp={tp}: {exc}") from None
+    odd = sorted({s for plan in plans.plans.values() for s in plan.values() if s not in TP_STYLES})
+    if odd:
+        raise ConfigError(f"parallelism.tp={tp}: {arch}'s base_model_tp_plan uses style {odd[0]!r}, which "
+                          f"model=hf does not map (it maps {', '.join(sorted(TP_STYLES))})")
+    check_divisible(model, plans, tp)
+    check_left_out(model, plans, tp)
+    if sequence_parallel:
+        check_sequence_parallel(model)
 
 
 def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
@@ -118,9 +120,7 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
     if parallel_dims.ep > 1:
         _check_ep(config, hf, values, parallel_dims)
     if parallel_dims.tp > 1:
-        _check_tp(config, hf, parallel_dims.tp)
-        if getattr(parallel_dims, "sequence_parallel", True):
-            _check_sequence_parallel_on_meta(config)
+        _check_tp(config, hf, parallel_dims.tp, sequence_parallel=getattr(parallel_dims, "sequence_parallel", True))
     if parallel_dims.pp > 1 and config.enable_weight_tying:
         raise ConfigError(f"model.enable_weight_tying=true cannot run with parallelism.pp={parallel_dims.pp}: "
                           "the embedding lives on the first stage and the tied head on the last")
