@@ -105,6 +105,10 @@ def test_the_class_follows_model_type_as_transformers_does(tmp_path, folder):
     # SP beside an MoE block the TP plan leaves out: before launch (it was each rank's error)
     (["parallelism=fsdp2_tp2", "model.flavor=tiny_mixtral"],
      "parallelism.sequence_parallel=true: MixtralForCausalLM's base_model_tp_plan leaves the layer's 'mlp'"),
+    # ... also where the plan names a dense MLP's gate_proj that the MoE layer's mlp lacks
+    # (it crashed inside the ranks: "aten.mm.default got mixed torch.Tensor and DTensor")
+    (["parallelism=fsdp2_tp2", "model.flavor=tiny_qwen3_moe"],
+     "parallelism.sequence_parallel=true: Qwen3MoeForCausalLM's base_model_tp_plan leaves the layer's 'mlp'"),
     (["parallelism.pp=2", "parallelism.world_size=2", "model.flavor=tiny_gemma3"], "enable_weight_tying=true"),
     (["parallelism.tp=4", "parallelism.world_size=4", "model.flavor=tiny_llama"], "model.n_kv_heads=2 is not divisible"),
     (["model.flavor=tiny_gpt_oss", "model.attn_implementation=sdpa"], "runs GptOssForCausalLM without SDPA"),

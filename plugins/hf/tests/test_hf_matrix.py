@@ -1,7 +1,8 @@
 """The compatibility matrix (``titan-hf-matrix``, issue 46.6): a sample of
-``model_type``s equal to transformers on one rank (``make test``), the table and its
-summary from the command, and the whole matrix (``make test-all``): every type equal,
-refused in one line, or stopped by ``model.verify``; none trains silently wrong."""
+``model_type``s equal to transformers on one rank and on the multi-rank layouts
+(``make test``), the table and its summary from the command, and the whole matrix
+(``make test-all``): every type equal, refused in one line, or stopped by
+``model.verify``; none trains silently wrong, on one rank or on a layout."""
 
 from __future__ import annotations
 
@@ -55,10 +56,11 @@ def test_tiny_folder_sets_the_scales_it_finds(tmp_path):
 
 def test_command_writes_the_table(tmp_path, capsys):
     out = tmp_path / "matrix.md"
-    assert main(["--types", "qwen2,t5", "--out", str(out), "--work", str(tmp_path / "work"),
+    assert main(["--types", "qwen2,t5", "--layouts", "none", "--out", str(out), "--work", str(tmp_path / "work"),
                  "--json", str(tmp_path / "rows.json")]) == 0
     text = out.read_text()
-    assert "transformers 5." in text and "    titan-hf-matrix --types qwen2,t5 --out " in text and "--json" not in text
+    assert "transformers 5." in text and "    titan-hf-matrix --types qwen2,t5 --layouts none --out " in text
+    assert "--json" not in text
     assert "| qwen2 | Qwen2ForCausalLM | yes | equal |" in text
     assert "| t5 |  |  | refused: config.json: model_type='t5': " in text
     assert "2 types: 1 equal, 1 refused, 0 differ" in capsys.readouterr().out
@@ -79,18 +81,75 @@ def test_whole_matrix_nothing_silently_wrong(tmp_path):
     assert all("\n" not in r["reason"] for r in rows.values())
     equal = [t for t, r in rows.items() if r["status"] == "equal"]
     assert len(equal) >= 80, len(equal)  # 85 with transformers 5.25 (docs/hf-matrix.md)
+    wrong = [f"{t} {x}: {c}" for t in equal for x, c in rows[t]["layouts"].items() if c.startswith("differ")]
+    assert not wrong, wrong
+
+
+@pytest.mark.slow
+def test_layout_cells_sample(tmp_path):
+    """The multi-rank columns on a sample, the 2-rank jobs of both types in one launch:
+    Llama (dense, untied) equal on fsdp2 and pp2, ep2 n/a; OLMoE (per-expert folder,
+    transformers' expert-parallel plan) equal on fsdp2, pp2 and ep2."""
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.matrix_layouts import layout_cells
+
+    folders = {t: tiny_folder(t, tmp_path / t) for t in ("llama", "olmoe")}
+    cells = layout_cells(folders, ["fsdp2", "pp2", "ep2"], tmp_path / "runs")
+    assert cells == {"llama": {"fsdp2": "equal", "pp2": "equal", "ep2": "n/a"},
+                     "olmoe": {"fsdp2": "equal", "pp2": "equal", "ep2": "equal"}}, cells
+
+
+def test_layout_refusals_are_cells(tmp_path):
+    """Before any rank starts: a layout that does not apply is ``n/a`` (tied embeddings on
+    pp2, no experts on ep2), one validate refuses is its one line."""
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.matrix_layouts import COMMON, LAYOUTS, _compose, _refusal
+
+    folder = tiny_folder("gemma", tmp_path / "gemma")  # tied embeddings
+    argv = [*COMMON, f"model.hf={folder}", "parallelism=single"]
+    for layout, want in (("pp2", "n/a"), ("ep2", "n/a")):
+        with pytest.raises(Exception) as exc:
+            _compose([*argv[:-1], *LAYOUTS[layout][1]], tmp_path / layout)
+        assert _refusal(layout, exc.value) == want, exc.value
+    from titan_plugins.errors import ConfigError
+
+    assert _refusal("fsdp2", ConfigError("parallelism.tp=2: x")) == "refused: parallelism.tp=2: x"
+
+
+@pytest.mark.slow
+def test_launch_records_a_failing_job_and_runs_the_rest(tmp_path, monkeypatch):
+    """A job that fails inside a rank is its own ``error:`` cell; the jobs after it still
+    train (a fresh launch), so one bad type costs its own cells only."""
+    import shutil
+
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.matrix_layouts import COMMON, _compose
+    from titan_hf.matrix_runs import launch_jobs
+
+    folder = tiny_folder("llama", tmp_path / "llama")
+    broken = shutil.copytree(folder, tmp_path / "broken")
+    bad = _compose([*COMMON, f"model.hf={broken}", "parallelism=single"], tmp_path / "bad")
+    good = _compose([*COMMON, f"model.hf={folder}", "parallelism=single"], tmp_path / "good")
+    (broken / "model.safetensors").unlink()  # after composing: it fails inside the rank
+    out = launch_jobs(tmp_path / "runs", world=1, alone={"bad": bad, "good": good}, timeout=120)
+    assert out["bad"].startswith("error: ") and "\n" not in out["bad"], out
+    assert isinstance(out["good"], list) and len(out["good"]) == 3, out
 
 
 @pytest.mark.slow
 @pytest.mark.extended
 def test_layouts_column(tmp_path):
-    """``--layouts``: OLMoE (per-expert folder) on fsdp2 and expert parallelism equals one
-    rank through titan-run; a layout validate refuses is its one line."""
-    from titan_hf.matrix_folders import tiny_folder
-    from titan_hf.matrix_runs import layout_runs
-
-    folder = tiny_folder("olmoe", tmp_path / "olmoe")
-    cells = layout_runs("olmoe", folder, ["fsdp2", "ep"], tmp_path / "runs")
-    assert cells["fsdp2"].startswith("equal") and cells["ep"].startswith("equal"), cells
-    llama = layout_runs("llama", tiny_folder("llama", tmp_path / "llama"), ["ep"], tmp_path / "llama_runs")
-    assert llama == {"ep": "refused: parallelism.ep=2: LlamaForCausalLM has no experts"}, llama
+    """The command with every layout (default): Llama equal on all but ep2 (n/a), OLMoE's
+    TP plan leaving its MoE block out (no SP); the per-layout counts in the table."""
+    out = tmp_path / "matrix.md"
+    assert main(["--types", "llama,olmoe,t5", "--out", str(out), "--work", str(tmp_path / "work"),
+                 "--json", str(tmp_path / "rows.json")]) == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())
+    assert rows["llama"]["layouts"] == {"fsdp2": "equal", "fsdp2_tp2": "equal", "pp2": "equal", "ep2": "n/a",
+                                        "cp2": "equal"}, rows["llama"]
+    assert rows["olmoe"]["layouts"] == {"fsdp2": "equal", "fsdp2_tp2": "equal (no SP)", "pp2": "equal",
+                                        "ep2": "equal", "cp2": "equal"}, rows["olmoe"]
+    assert "layouts" not in rows["t5"]
+    text = out.read_text()
+    assert "- ep2: 1 equal, 0 refused, 1 n/a, 0 differ, 0 error" in text
+    assert "| llama | LlamaForCausalLM | yes | equal | 0.0e+00 | equal | equal | equal | n/a | equal |" in text

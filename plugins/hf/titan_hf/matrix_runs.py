@@ -1,5 +1,6 @@
 """One matrix row: a ``model_type`` classified, built, and trained one step against
-transformers (one rank, in process), and on parallel layouts through ``titan-run``.
+transformers (one rank, in process); :func:`launch_jobs` trains composed ``titan-run``
+jobs on gloo ranks for the layout columns (``titan_hf.matrix_layouts``).
 
 Every failure is caught and kept as one line: ``refused`` is a ``ConfigError`` (the
 plugin's own one-line refusal, before launch), ``error`` anything else (a crash),
@@ -16,24 +17,12 @@ import torch
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["EQUAL_GRAD", "EQUAL_LOSS", "LAYOUTS", "layout_runs", "one_line", "one_rank"]
+__all__ = ["EQUAL_GRAD", "EQUAL_LOSS", "launch_jobs", "one_line", "one_rank"]
 
 #: one rank equals transformers: step-1 loss within EQUAL_LOSS (absolute, fp32) and every
 #: parameter's gradient norm within EQUAL_GRAD (relative)
 EQUAL_LOSS = 1e-5
 EQUAL_GRAD = 1e-4
-#: ``--layouts`` names -> (world size, titan-run overrides)
-LAYOUTS: dict[str, tuple[int, list[str]]] = {
-    "fsdp2": (2, ["parallelism=fsdp2"]),
-    "fsdp2_tp2": (4, ["parallelism=fsdp2_tp2"]),
-    "ep": (2, ["parallelism=fsdp2_ep2"]),
-    "pp2": (2, ["parallelism=pp2"]),
-}
-STEPS = 2
-COMMON = ["model=hf", "data=synthetic", "data.vocab_size=256", f"training.steps={STEPS}",
-          "training.deterministic=true", "training.seq_len=16", "training.local_batch_size=4",
-          "training.lr=1e-3", "training.warmup_steps=0", "metrics.tensorboard=false", "metrics.console=false",
-          "model.verify=false"]  # the one-rank column compares against transformers already
 
 
 def one_line(exc: BaseException, limit: int = 240) -> str:
@@ -119,58 +108,81 @@ def _one_rank(row: dict[str, Any], model_type: str, work: Path) -> dict[str, Any
             "reason": f"loss {mine:.6g} vs {ref:.6g}; worst gradient {name} ({rel:.1e})"}
 
 
-def layout_runs(model_type: str, folder: Path, layouts: list[str], work: Path,
-                timeout: float = 600) -> dict[str, str]:
-    """``layout -> cell``: each layout's step losses through ``titan-run`` (gloo ranks)
-    against the same folder on one rank, same global batch; ``equal <diff>``,
-    ``differ <diff>``, ``refused: <line>`` (``validate``), ``error: <line>``."""
-    from titan_hf.testing import train_in_one_launch
-    from titan_plugins.compare.runner import match_global_batch
-    from titan_plugins.plugins import get_plugin_manager
-    from titan_plugins.train.api import prepare_job
+def launch_jobs(work: str | Path, *, world: int, alone: dict[str, Path] | None = None,
+                ranks: dict[str, Path] | None = None, timeout: float = 300) -> dict[str, list[float] | str]:
+    """Train already composed jobs (``name -> config.yaml`` written by ``write_config``):
+    ``alone`` on one rank (rank 0, world of one), ``ranks`` on ``world`` gloo ranks, in as
+    few launches as it takes (``titan_hf.testing.train_in_one_launch``'s ranks). Returns
+    ``name -> step losses``, or ``name -> "error: <one line>"`` for a job that failed
+    inside a rank: unlike ``train_in_one_launch`` a failure does not stop the others, the
+    jobs after it run in a fresh launch. A launch in which no job finishes for
+    ``timeout`` seconds is stopped; the job it was on is charged with the timeout."""
+    import os
+    import sys
+    import time
 
-    pm = get_plugin_manager(strict=True)
-    base = [*COMMON, f"model.hf={folder}", "parallelism=single"]
-    cells: dict[str, str] = {}
-    jobs: dict[int, dict[str, list[str]]] = {}
-    for layout in layouts:
-        world, overrides = LAYOUTS[layout]
-        try:
-            argv = match_global_batch(base, [*base[:-1], *overrides])[0]
-            prepare_job(argv, pm, run_dir=work / "check" / layout)
-        except Exception as exc:  # noqa: BLE001
-            cells[layout] = f"{'refused' if isinstance(exc, ConfigError) else 'error'}: {one_line(exc)}"
-            continue
-        jobs.setdefault(world, {})[layout] = argv
-    if not jobs:
-        return cells
-    baseline: list[float] | None = None
-    for world, ranks in sorted(jobs.items()):
-        pending = dict(ranks)
-        while pending:
-            alone = {"single": base} if baseline is None else {}
-            try:
-                out = train_in_one_launch(work / f"world{world}", world=world, alone=alone, ranks=pending,
-                                          timeout=timeout)
-            except Exception as exc:  # noqa: BLE001 - "<job> (rank r): <error>": drop that job, rerun the rest
-                text = one_line(exc)
-                failed = next((name for name in [*alone, *pending] if text.startswith(f"RuntimeError: {name} ")),
-                              None)
-                if failed is None or failed == "single":
-                    for name in pending:
-                        cells[name] = f"error: {text}"
-                    return cells
-                line = text.split(": ", 2)[-1]  # "RuntimeError: <job> (rank r): <error>"
-                cells[failed] = (f"refused inside a rank: {line}" if line.startswith("ConfigError: ")
-                                 else f"error: {line}")
-                pending.pop(failed)
-                continue
-            if baseline is None:
-                baseline = out["single"][0]
-            for name in pending:
-                got = out[name][0]
-                diff = max((abs(a - b) for a, b in zip(baseline, got, strict=True)), default=float("nan"))
-                ok = len(got) == len(baseline) == STEPS and diff <= EQUAL_LOSS
-                cells[name] = f"{'equal' if ok else 'differ'} {diff:.1e}"
-            pending = {}
-    return cells
+    from titan_plugins.train.zygote import popen_module
+
+    todo = [*(("alone", n, str(c)) for n, c in (alone or {}).items()),
+            *(("case", n, str(c)) for n, c in (ranks or {}).items())]
+    out: dict[str, list[float] | str] = {}
+    work = Path(work)
+    launch = 0
+    while todo:
+        launch += 1
+        here = work / f"launch{launch}"
+        here.mkdir(parents=True, exist_ok=True)
+        solo = [t for t in todo if t[0] == "alone"]
+        cases = [t for t in todo if t[0] == "case"]
+        names = [n for _, n, _ in solo]
+        plan = {"dir": str(here), "timeout": timeout,
+                "groups": [*({"base": c, "cases": []} for _, _, c in solo),
+                           {"base": None, "cases": [[n, c] for _, n, c in cases]}]}
+        (here / "plan.json").write_text(json.dumps(plan))
+        size = world if cases else 1
+        paths = [p for p in sys.path if p and os.path.isdir(p)]
+        env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(size),
+               "PYTHONPATH": os.pathsep.join(paths)}
+        procs = []
+        for rank in range(size):
+            with open(here / f"rank{rank}.log", "w") as log:
+                procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks",
+                                          [str(here / "plan.json")],
+                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                          stdout=log.fileno(), stderr=log.fileno()))
+        results = here / "results-rank0.jsonl"
+
+        seen, deadline, timed_out = 0, time.monotonic() + timeout, False
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2.0)  # the peer records its own error, then it is stopped
+                break
+            done = len(results.read_text().splitlines()) if results.is_file() else 0
+            if done != seen:
+                seen, deadline = done, time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.2)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        files = [here / f"results-rank{r}.jsonl" for r in range(size)]
+        got = [json.loads(line) for f in files if f.is_file() for line in f.read_text().splitlines() if line.strip()]
+        for r in got:  # a one-rank job is recorded as its group's "base"
+            r["name"] = names[r["group"]] if r["what"] == "base" else r["what"]
+        for r in got:
+            if "losses" in r:
+                out[r["name"]] = r["losses"]
+        errors = sorted((r for r in got if "error" in r), key=lambda r: r["time"])
+        if errors:
+            text = " ".join(errors[0]["error"].split())
+            out[errors[0]["name"]] = "error: " + (text if len(text) <= 240 else text[:237] + "...")
+        left = [t for t in todo if t[1] not in out]
+        if left and not errors:  # no error recorded: a rank died or the launch hung on the first job left
+            tail = [line for line in (here / "rank0.log").read_text().splitlines() if line.strip()][-1:]
+            why = f"timed out after {timeout:g} s" if timed_out else "a rank died"
+            out[left[0][1]] = f"error: {why}" + (f" (rank 0 log: {tail[0][:160]})" if tail else "")
+        todo = [t for t in todo if t[1] not in out]
+    return out

@@ -100,7 +100,7 @@ def _check_sequence_parallel(model: HFCausalLM, plans: LayerPlans, key: str) -> 
     nothing over the TP ranks, so its gradient would be one rank's; so would the
     layer's own parameters (a residual scale)."""
     layer = model.layers[key]
-    gathered, norms = _gathered(plans.plans[key]), set(_norm_children(layer))
+    gathered, norms = _gathered(_present(layer, plans.plans[key])), set(_norm_children(layer))
     own = next((n for n, _ in layer.named_parameters(recurse=False)), None)
     if own is not None:
         raise ConfigError(f"parallelism.sequence_parallel=true: {model.config.architecture}'s decoder layer holds "
@@ -121,6 +121,14 @@ def _check_sequence_parallel(model: HFCausalLM, plans: LayerPlans, key: str) -> 
 
 def _gathered(plan: dict[str, str]) -> set[str]:
     return {p.rpartition(".")[0] for p, s in plan.items() if s in _GATHERING}
+
+
+def _present(layer: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """The entries of ``plan`` naming a module this layer has: a declared plan names a
+    dense MLP's ``mlp.gate_proj`` that an MoE layer's ``mlp`` (Qwen3-MoE) lacks, which must
+    not count as that block being gathered."""
+    names = {n for n, _ in layer.named_modules()}
+    return {p: s for p, s in plan.items() if p in names}
 
 
 def check_sequence_parallel(model: HFCausalLM) -> None:
@@ -153,7 +161,7 @@ def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parall
         layer_styles = {path: torch_style(style, sequence_parallel=sp) for path, style in plan.items()}
         if sp:
             _check_sequence_parallel(model, plans, key)
-            for parent in sorted(_gathered(plan)):
+            for parent in sorted(_gathered(_present(layer, plan))):
                 layer_styles[parent] = GatherSequence()
             for name in _norm_children(layer):
                 layer_styles[name] = SequenceParallel(use_local_output=True)
