@@ -157,3 +157,44 @@ def test_expert_parallel_plan_at_32_ranks_in_one_process():
     plan = make_plan(spec, typed_job(job), pm)
     assert plan.world_size == 32 and plan.degrees["ep"] == 4
     assert all(r.memory.numel > 0 for r in plan.ranks)
+
+
+def test_expert_parallel_plan_skips_dense_layers_and_refuses_a_missing_weight():
+    """AFMoE's first layer is a dense MLP (transformers' ``first_k_dense``): its plan
+    entries would name ``layers.0.mlp.experts.*``, which do not exist (a KeyError inside
+    every rank before this); the experts of layer 1 are still sharded. A layer with experts
+    but not a weight the plan names is one line."""
+    import torch
+    import transformers
+    from titan_hf.matrix_folders import tiny_config
+    from titan_hf.parallelize import layers_expert_plan
+    from titan_hf.validate import expert_plan
+
+    config = tiny_config("afmoe")
+    with torch.device("meta"):
+        layers = transformers.AutoModelForCausalLM.from_config(config).model.layers
+    layers = {str(i): layer for i, layer in enumerate(layers)}
+    plan = expert_plan(config)
+    concrete = layers_expert_plan(layers, plan, "afmoe")
+    assert concrete == {f"layers.1.{path}": style for path, style in plan.items()}
+    del layers["1"].mlp.experts.down_proj
+    with pytest.raises(ConfigError, match=r"names layers\.1\.mlp\.experts\.down_proj") as info:
+        layers_expert_plan(layers, plan, "afmoe")
+    _one_line(info)
+
+
+def test_context_parallel_refuses_an_attention_that_builds_its_own_mask():
+    """Doge hands its attention a mask it makes from its own (under cp: a rank's share of
+    the) keys; a small copy's forward finds that before launch, where it crashed inside
+    every rank ("size of tensor a (16) must match ... (8)"). Llama passes its layer's
+    mask on and is not refused."""
+    from titan_hf.context_parallel import check_cp
+    from titan_hf.matrix_folders import tiny_config
+
+    doge, llama = tiny_config("doge"), tiny_config("llama")
+    for config in (doge, llama):
+        config._attn_implementation = "sdpa"
+    with pytest.raises(ConfigError, match=r"parallelism\.cp=2: DogeForCausalLM's DogeAttention does not hand") as info:
+        check_cp(doge, 2)
+    _one_line(info)
+    check_cp(llama, 2)

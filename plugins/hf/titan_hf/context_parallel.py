@@ -48,6 +48,10 @@ def cp_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         if key.shape[2] != shard.local_len:
             raise ValueError(f"context parallel: attention over {key.shape[2]} keys, but this rank holds "
                              f"{shard.local_len} positions (decoding with a KV cache does not run under cp)")
+        if attention_mask is not None and attention_mask.shape[-1] != shard.seq_len:
+            raise ValueError(f"context parallel: {type(module).__name__} hands its attention a mask over "
+                             f"{attention_mask.shape[-1]} keys, not the row's {shard.seq_len}: it builds its own mask "
+                             "from this rank's keys and cannot run under cp")
         key, value = shard.gather(key, 2), shard.gather(value, 2)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
@@ -60,13 +64,17 @@ def use_cp_attention(model: nn.Module) -> None:
 
     AttentionInterface.register(ATTENTION, cp_sdpa_attention)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # what a forward without a shard builds
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            config._attn_implementation = ATTENTION
+    _set_attention(model, ATTENTION)
     shell = getattr(model, "_shell", None)  # the hoisted modules' former owner holds the same config
     if shell is not None:
         shell.config._attn_implementation = ATTENTION
+
+
+def _set_attention(model: nn.Module, name: str) -> None:
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            config._attn_implementation = name
 
 
 def sharded_positions_and_masks(shard: SequenceShard, kinds: set[str], sliding_window: int | None,
@@ -113,3 +121,57 @@ def check_cp(hf: Any, cp: int) -> None:
     if getattr(hf, "attn_logit_softcapping", None) is not None:
         raise ConfigError(f"parallelism.cp={cp}: config.json: attn_logit_softcapping="
                           f"{hf.attn_logit_softcapping}: soft-capped attention does not run under cp")
+    own_mask = attention_building_its_own_mask(hf)
+    if own_mask:
+        raise ConfigError(f"parallelism.cp={cp}: {cls.__name__}'s {own_mask} does not hand its attention the mask "
+                          "it is given but one it builds from its own keys (a rank holds a shard of them); "
+                          "context parallel cannot run it")
+
+
+_PROBE = "titan_cp_probe"
+
+
+def attention_building_its_own_mask(hf: Any) -> str | None:
+    """The class name of an attention module that calls transformers' attention
+    interface with a mask other than the one its decoder layer was given (Doge's dynamic
+    mask, made from its local keys), found by one forward of a small copy of the model.
+    ``None`` when every call passes its layer's mask on, or the small copy does not run
+    (the attention function then refuses a mask of the wrong width at step 1)."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    from titan_hf.structure import find_structure
+    from titan_hf.tp_plan import tiny_copy
+
+    given: list[Any] = [None]  # the mask the running decoder layer was called with
+    foreign: list[str] = []
+
+    def probe(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is not given[0]:
+            foreign.append(type(module).__name__)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    def remember(_layer, args, kwargs):
+        given[0] = kwargs.get("attention_mask")
+
+    try:
+        tiny = tiny_copy(hf)
+        layers = tiny.get_submodule(find_structure(tiny).layers)
+    except Exception:  # noqa: BLE001 - no small copy: the runtime check in cp_sdpa_attention stands
+        return None
+    AttentionInterface.register(_PROBE, probe)
+    AttentionMaskInterface.register(_PROBE, sdpa_mask)
+    _set_attention(tiny, _PROBE)
+    hooks = [layer.register_forward_pre_hook(remember, with_kwargs=True) for layer in layers]
+    ids = torch.randint(3, int(tiny.config.vocab_size), (1, 12), generator=torch.Generator().manual_seed(1))
+    try:
+        with torch.no_grad():
+            tiny(input_ids=ids)
+    except Exception:  # noqa: BLE001 - as above
+        return None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return foreign[0] if foreign else None

@@ -145,13 +145,16 @@ class HFCausalLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Any = None) -> torch.Tensor:
         """``cache``: a ``titan_plugins.generate.KVCache`` (decoding, one stage only);
         its ``pos`` is the rotary offset, transformers' cache holds the keys/values."""
+        from torch.distributed.tensor import DTensor
+
         if self.tok_embeddings is not None:
             h = self.tok_embeddings(tokens)
             if self.embed_work is not None:
                 h = self.embed_work(h)
+                if isinstance(h, DTensor):  # NanoChat's final norm also runs here: under SP it
+                    h = h.to_local()  # returns a sequence-shard DTensor; the layers take the local shard
         else:
             h = tokens
-        from torch.distributed.tensor import DTensor
 
         local = h.to_local() if isinstance(h, DTensor) else h
         batch, seq = local.shape[0], local.shape[1] * self.seq_shards

@@ -20,6 +20,7 @@ DTensors with a replicated weight, so their gradient is summed over the TP ranks
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -187,6 +188,24 @@ def apply_tp(model: HFCausalLM, tp_mesh, *, sequence_parallel: bool, loss_parall
     model.seq_shards = tp_mesh.size() if sp else 1
 
 
+def layers_expert_plan(layers: Mapping[str, nn.Module], plan: dict[str, str], who: str) -> dict[str, str]:
+    """The per-layer ``plan`` made concrete (``layers.<key>.<path>``) for the layers that hold
+    the experts module it dispatches to. Dense layers (the first k of DeepSeek-style models)
+    are left as they are; a layer with experts but without a weight the plan names is refused."""
+    dispatch = next(path for path, style in plan.items() if style == "ep_dispatch_experts")
+    concrete: dict[str, str] = {}
+    for key, layer in layers.items():
+        present = {n for n, _ in layer.named_parameters()} | {n for n, _ in layer.named_modules()}
+        if dispatch not in present:
+            continue
+        missing = sorted(path for path in plan if path not in present)
+        if missing:
+            raise ConfigError(f"{who}'s base_model_ep_plan names layers.{key}.{missing[0]}, which its layer {key} "
+                              "does not have")
+        concrete.update({f"layers.{key}.{path}": style for path, style in plan.items()})
+    return concrete
+
+
 def apply_ep(model: HFCausalLM, ep_mesh, tp_mesh) -> str:
     """transformers' own ``base_model_ep_plan`` on this stage's layers: expert weights
     ``Shard(0)`` (whole experts) on ``ep_mesh``, and the experts module's forward
@@ -196,7 +215,7 @@ def apply_ep(model: HFCausalLM, ep_mesh, tp_mesh) -> str:
     from transformers.distributed.expert_parallel import apply_expert_parallelism
 
     plan = expert_plan(model.hf_config)
-    concrete = {f"layers.{key}.{path}": style for key in model.layers for path, style in plan.items()}
+    concrete = layers_expert_plan(model.layers, plan, f"parallelism.ep={ep_mesh.size()}: {model.config.architecture}")
     # parameters first: sharding them sets the module's local expert count the dispatcher reads
     params = dict(model.named_parameters())
     ordered = dict(sorted(concrete.items(), key=lambda kv: kv[0] not in params))

@@ -158,7 +158,7 @@ def check_left_out(model: HFCausalLM, plans: LayerPlans, tp: int) -> None:
 # --- the tiny copy -------------------------------------------------------------------
 
 
-def _tiny_copy(hf: Any) -> nn.Module:
+def tiny_copy(hf: Any) -> nn.Module:
     """The model of ``hf`` with small sizes (titan_hf.matrix_folders' overrides, every
     layer kept), random weights (std 0.2: nothing zero by initialisation), fp32, eval."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -389,7 +389,7 @@ def _derive(model: HFCausalLM) -> LayerPlans:
 
     arch = model.config.architecture
     try:
-        tiny = _tiny_copy(model.hf_config)
+        tiny = tiny_copy(model.hf_config)
         tiny_layers = tiny.get_submodule(find_structure(tiny).layers)
         calls = _record(tiny, tiny_layers)
     except Exception as exc:  # noqa: BLE001 - one line, whatever transformers raised
