@@ -268,12 +268,12 @@ MODELS = [
 
 def _model_grads_rank(rank: int, world: int, models: list) -> list[dict]:
     """Each model's loss and every gradient of one step on 2 rows: the whole rows in this
-    process, then this rank's chunks under ``sharded_sequence`` (gradients summed over
-    the ranks, as FSDP over dp_shard x cp sums them)."""
+    process, then this rank's chunks (``cp_step_against_whole_rows``)."""
     import importlib
 
-    import torch.nn.functional as F
     from omegaconf import OmegaConf
+
+    from titan_plugins.testing.model_parts import cp_step_against_whole_rows
 
     out = []
     for package, flavor, overrides in models:
@@ -286,30 +286,7 @@ def _model_grads_rank(rank: int, world: int, models: list) -> list[dict]:
         model.init_weights(buffer_device=torch.device("cpu"))
         gen = torch.Generator().manual_seed(3)
         tokens = torch.randint(0, 16, (2, 32), generator=gen)
-        inputs, labels = tokens, torch.roll(tokens, -1, 1)
-        count = labels.numel()
-
-        def step(x, y, model=model, count=count):
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum") / count
-            loss.backward()
-            return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None}
-
-        ref_loss, ref = step(inputs, labels)
-        with sharded_sequence(SequenceShard(dist.group.WORLD, rank, world, 32)):
-            loss, grads = step(shard_sequence(inputs, 1, world, rank), shard_sequence(labels, 1, world, rank))
-        dist.all_reduce(loss)
-        for g in grads.values():
-            dist.all_reduce(g)
-        scale = max(g.abs().max().item() for g in ref.values())
-
-        def rel(name, grads=grads, ref=ref, scale=scale):  # each gradient against its own size
-            return ((grads[name] - ref[name]).abs().max() / max(ref[name].abs().max().item(), 1e-3 * scale)).item()
-
-        worst = max(grads, key=rel)
-        out.append({"model": package, "loss": abs(loss.item() - ref_loss.item()), "same_params": set(grads) == set(ref),
-                    "grad": rel(worst), "worst": worst})
+        out.append({"model": package, **cp_step_against_whole_rows(model, tokens, torch.roll(tokens, -1, 1), rank, world)})
     return out
 
 

@@ -1,8 +1,9 @@
 """Small pieces a model plugin's own tests share: building a model the way the trainer
 does (meta build -> optional pipeline-stage cut -> parallelize -> ``to_empty`` ->
 ``init_weights``), the job and meshes of a layout, loading full weights into shards,
-the loss-parallel-aware loss, and a skip when TorchTitan (the numerics reference) is
-missing. The first-party plugins' tests use them; a third-party plugin's may too.
+the loss-parallel-aware loss, one step on a rank's sequence shard against the whole
+rows, and a skip when TorchTitan (the numerics reference) is missing. The first-party
+plugins' tests use them; a third-party plugin's may too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ __all__ = [
     "assert_loss_parity",
     "assert_same_tensors",
     "build_part",
+    "cp_step_against_whole_rows",
     "cpu_histc",
     "cut_stage",
     "full",
@@ -238,6 +240,46 @@ def loss_and_grads(
         loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if every_param or p.grad is not None}
     return logits.detach(), loss.detach(), grads
+
+
+def cp_step_against_whole_rows(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, rank: int,
+                               world: int) -> dict[str, Any]:
+    """One summed cross-entropy step of ``model`` on the whole rows ``tokens -> labels`` in this
+    process, then on this rank's chunks of them under ``sharded_sequence`` (the WORLD group
+    as the cp group), the loss and every gradient summed over the ranks as FSDP over dp x cp
+    sums them. Returns ``ref_loss`` (the whole rows'), ``loss`` (the absolute difference),
+    ``same_params`` (the same parameters got gradients), ``grad`` and ``worst``: the
+    largest gradient difference, relative to that gradient's own size (at least 1e-3 of
+    the largest), and its parameter's name."""
+    import torch.distributed as dist
+
+    from titan_plugins.components.cp_attention import (
+        SequenceShard,
+        shard_sequence,
+        sharded_sequence,
+    )
+
+    count = labels.numel()  # the whole rows' tokens: each rank's sum is its part of the one-process sum
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        loss = sum_loss(model(x).float(), y, count)
+        return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref = step(tokens, labels)
+    with sharded_sequence(SequenceShard(dist.group.WORLD, rank, world, tokens.shape[1])):
+        loss, grads = step(shard_sequence(tokens, 1, world, rank), shard_sequence(labels, 1, world, rank))
+    dist.all_reduce(loss)
+    for g in grads.values():
+        dist.all_reduce(g)
+    scale = max(g.abs().max().item() for g in ref.values())
+
+    def rel(name: str) -> float:
+        return ((grads[name] - ref[name]).abs().max() / max(ref[name].abs().max().item(), 1e-3 * scale)).item()
+
+    worst = max(grads, key=rel)
+    return {"ref_loss": ref_loss.item(), "loss": abs(loss.item() - ref_loss.item()),
+            "same_params": set(grads) == set(ref), "grad": rel(worst), "worst": worst}
 
 
 def assert_loss_parity(label: str, base: list[float], losses: list[float], parity: Any) -> None:

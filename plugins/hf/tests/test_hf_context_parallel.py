@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("transformers")
 
 from titan_plugins.components.attention_masks import AttentionMask  # noqa: E402
-from titan_plugins.components.cp_attention import SequenceShard, shard_sequence, sharded_sequence  # noqa: E402
+from titan_plugins.components.cp_attention import SequenceShard  # noqa: E402
 from titan_plugins.errors import ConfigError  # noqa: E402
 
 SEQ = 32
@@ -72,41 +72,16 @@ def test_a_ranks_masks_and_positions_are_its_rows_of_the_whole_rows():
 
 
 def _grads_rank(rank: int, world: int, cases: list[tuple[str, bool]]) -> list[dict]:
-    """Each case's loss and gradients: whole rows here, then this rank's chunks under
-    ``sharded_sequence`` (gradients summed over the ranks, as FSDP over dp x cp sums them)."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
+    """Each case's loss and gradients: whole rows here, then this rank's chunks
+    (``cp_step_against_whole_rows``)."""
+    from titan_plugins.testing.model_parts import cp_step_against_whole_rows
 
     out = []
     for flavor, block_causal in cases:
-        model = _model(flavor, block_causal)
         gen = torch.Generator().manual_seed(3)
         tokens = torch.randint(0, 8, (2, SEQ), generator=gen)  # id 2 (the flavors' EOS) ends documents
-        labels = torch.roll(tokens, -1, 1)
-        count = labels.numel()  # the whole rows' tokens: each rank's sum is a part of the one-rank sum
-
-        def step(x, y, model=model, count=count):
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten(), reduction="sum") / count
-            loss.backward()
-            return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                                   if p.grad is not None}
-
-        ref_loss, ref = step(tokens, labels)
-        with sharded_sequence(SequenceShard(dist.group.WORLD, rank, world, SEQ)):
-            loss, grads = step(shard_sequence(tokens, 1, world, rank), shard_sequence(labels, 1, world, rank))
-        dist.all_reduce(loss)
-        for g in grads.values():
-            dist.all_reduce(g)
-        scale = max(g.abs().max().item() for g in ref.values())
-
-        def rel(name, grads=grads, ref=ref, scale=scale):
-            return ((grads[name] - ref[name]).abs().max() / max(ref[name].abs().max().item(), 1e-3 * scale)).item()
-
-        worst = max(grads, key=rel)
-        out.append({"case": (flavor, block_causal), "ref_loss": ref_loss.item(),
-                    "loss": abs(loss.item() - ref_loss.item()), "same_params": set(grads) == set(ref),
-                    "grad": rel(worst), "worst": worst})
+        diff = cp_step_against_whole_rows(_model(flavor, block_causal), tokens, torch.roll(tokens, -1, 1), rank, world)
+        out.append({"case": (flavor, block_causal), **diff})
     return out
 
 

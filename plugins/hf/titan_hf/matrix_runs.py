@@ -112,77 +112,25 @@ def launch_jobs(work: str | Path, *, world: int, alone: dict[str, Path] | None =
                 ranks: dict[str, Path] | None = None, timeout: float = 300) -> dict[str, list[float] | str]:
     """Train already composed jobs (``name -> config.yaml`` written by ``write_config``):
     ``alone`` on one rank (rank 0, world of one), ``ranks`` on ``world`` gloo ranks, in as
-    few launches as it takes (``titan_hf.testing.train_in_one_launch``'s ranks). Returns
+    few launches as it takes (``titan_hf.testing.train_configs_in_one_launch``). Returns
     ``name -> step losses``, or ``name -> "error: <one line>"`` for a job that failed
     inside a rank: unlike ``train_in_one_launch`` a failure does not stop the others, the
     jobs after it run in a fresh launch. A launch in which no job finishes for
     ``timeout`` seconds is stopped; the job it was on is charged with the timeout."""
-    import os
-    import sys
-    import time
+    from titan_hf.testing import train_configs_in_one_launch
 
-    from titan_plugins.train.zygote import popen_module
-
-    todo = [*(("alone", n, str(c)) for n, c in (alone or {}).items()),
-            *(("case", n, str(c)) for n, c in (ranks or {}).items())]
+    alone, ranks = dict(alone or {}), dict(ranks or {})
     out: dict[str, list[float] | str] = {}
-    work = Path(work)
     launch = 0
-    while todo:
+    while alone or ranks:
         launch += 1
-        here = work / f"launch{launch}"
-        here.mkdir(parents=True, exist_ok=True)
-        solo = [t for t in todo if t[0] == "alone"]
-        cases = [t for t in todo if t[0] == "case"]
-        names = [n for _, n, _ in solo]
-        plan = {"dir": str(here), "timeout": timeout,
-                "groups": [*({"base": c, "cases": []} for _, _, c in solo),
-                           {"base": None, "cases": [[n, c] for _, n, c in cases]}]}
-        (here / "plan.json").write_text(json.dumps(plan))
-        size = world if cases else 1
-        paths = [p for p in sys.path if p and os.path.isdir(p)]
-        env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": str(size),
-               "PYTHONPATH": os.pathsep.join(paths)}
-        procs = []
-        for rank in range(size):
-            with open(here / f"rank{rank}.log", "w") as log:
-                procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks",
-                                          [str(here / "plan.json")],
-                                          env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                          stdout=log.fileno(), stderr=log.fileno()))
-        results = here / "results-rank0.jsonl"
-
-        seen, deadline, timed_out = 0, time.monotonic() + timeout, False
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2.0)  # the peer records its own error, then it is stopped
-                break
-            done = len(results.read_text().splitlines()) if results.is_file() else 0
-            if done != seen:
-                seen, deadline = done, time.monotonic() + timeout
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.2)
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        files = [here / f"results-rank{r}.jsonl" for r in range(size)]
-        got = [json.loads(line) for f in files if f.is_file() for line in f.read_text().splitlines() if line.strip()]
-        for r in got:  # a one-rank job is recorded as its group's "base"
-            r["name"] = names[r["group"]] if r["what"] == "base" else r["what"]
-        for r in got:
-            if "losses" in r:
-                out[r["name"]] = r["losses"]
-        errors = sorted((r for r in got if "error" in r), key=lambda r: r["time"])
-        if errors:
-            text = " ".join(errors[0]["error"].split())
-            out[errors[0]["name"]] = "error: " + (text if len(text) <= 240 else text[:237] + "...")
-        left = [t for t in todo if t[1] not in out]
-        if left and not errors:  # no error recorded: a rank died or the launch hung on the first job left
-            tail = [line for line in (here / "rank0.log").read_text().splitlines() if line.strip()][-1:]
-            why = f"timed out after {timeout:g} s" if timed_out else "a rank died"
-            out[left[0][1]] = f"error: {why}" + (f" (rank 0 log: {tail[0][:160]})" if tail else "")
-        todo = [t for t in todo if t[1] not in out]
+        losses, failed = train_configs_in_one_launch(Path(work) / f"launch{launch}", world=world, alone=alone,
+                                                     ranks=ranks, timeout=timeout)
+        out.update(losses)
+        if failed:
+            name, _, why = failed
+            text = " ".join(why.split())
+            out[name] = "error: " + (text if len(text) <= 240 else text[:237] + "...")
+        alone = {n: c for n, c in alone.items() if n not in out}
+        ranks = {n: c for n, c in ranks.items() if n not in out}
     return out

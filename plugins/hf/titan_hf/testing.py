@@ -24,7 +24,7 @@ import torch
 
 from titan_hf.config import FLAVORS
 
-__all__ = ["reference_model", "save_folder", "train_in_one_launch"]
+__all__ = ["reference_model", "save_folder", "train_configs_in_one_launch", "train_in_one_launch"]
 
 
 def save_folder(flavor: str, folder: str | Path, *, seed: int = 0, std: float = 0.2,
@@ -70,61 +70,90 @@ def train_in_one_launch(work: str | Path, *, world: int, alone: Mapping[str, Seq
                         timeout: float = 600) -> dict[str, tuple[list[float], Path]]:
     """Train every job of ``alone`` (one rank, world of one) and of ``ranks`` (on ``world``
     gloo ranks) in one launched job: ``name -> titan-run overrides``, composed and validated
-    here first (a ``ConfigError`` before any rank starts). Returns ``name -> (losses, config
-    path)``; raises ``RuntimeError`` naming the first job that failed and its error line.
-
-    The ranks are the core's loss-parity ranks (``titan_plugins.testing.conformance._parity_ranks``):
-    rank 0 trains the ``alone`` jobs first, then all ranks train the others in turn with the
-    core's ``Trainer``; the ranks fork from the warm process that launches jobs
-    (``train.zygote``): torch, transformers and the plugins import once."""
+    here first (a ``ConfigError`` before any rank starts), then trained by
+    :func:`train_configs_in_one_launch`. Returns ``name -> (losses, config path)``; raises
+    ``RuntimeError`` naming the first job that failed and its error line."""
     from titan_plugins.plugins import get_plugin_manager
     from titan_plugins.train.api import prepare_job
     from titan_plugins.train.run_files import write_config
-    from titan_plugins.train.zygote import popen_module
 
     alone, ranks = dict(alone or {}), dict(ranks or {})
     work = Path(work)
-    work.mkdir(parents=True, exist_ok=True)
     pm = get_plugin_manager(strict=True)
     configs = {name: write_config(prepare_job(list(argv), pm, run_dir=work / name)[1], work / name)
                for name, argv in {**alone, **ranks}.items()}
-    names = [*alone, "cases"]
+    losses, failed = train_configs_in_one_launch(work, world=world, alone={n: configs[n] for n in alone},
+                                                 ranks={n: configs[n] for n in ranks}, timeout=timeout)
+    if failed:
+        name, rank, why = failed
+        raise RuntimeError(f"{name} (rank {rank}): {why}")
+    return {name: (values, configs[name]) for name, values in losses.items()}
+
+
+def train_configs_in_one_launch(
+    work: str | Path, *, world: int, alone: Mapping[str, Path], ranks: Mapping[str, Path], timeout: float,
+) -> tuple[dict[str, list[float]], tuple[str, int, str] | None]:
+    """Train already composed jobs (``name -> config.yaml`` written by ``write_config``) in
+    one launched job in ``work``: ``alone`` on rank 0 (a world of one), then ``ranks`` on
+    ``world`` gloo ranks. Returns ``name -> step losses`` of the jobs that trained and, where
+    one did not, ``(its name, rank, why)``: the earliest error a rank recorded, else ``timed
+    out after ...`` or ``a rank died`` with rank 0's last log line. A failure ends the launch,
+    so the jobs after it have no losses. ``timeout``: seconds the launch may go without
+    finishing a job (also the ranks' rendezvous and collective timeout).
+
+    The ranks are the core's loss-parity ranks (``titan_plugins.testing.conformance._parity_ranks``)
+    running the core's ``Trainer``; they fork from the warm process that launches jobs
+    (``train.zygote``): torch, transformers and the plugins import once."""
+    from titan_plugins.train.zygote import popen_module
+
+    work = Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    names = [*alone, "cases"]  # by group: a one-rank job is recorded as its group's "base"
     plan = {"dir": str(work), "timeout": timeout,
-            "groups": [*({"base": str(configs[n]), "cases": []} for n in alone),
-                       {"base": None, "cases": [[n, str(configs[n])] for n in ranks]}]}
+            "groups": [*({"base": str(config), "cases": []} for config in alone.values()),
+                       {"base": None, "cases": [[n, str(config)] for n, config in ranks.items()]}]}
     plan_path = work / "plan.json"
     plan_path.write_text(json.dumps(plan))
     (work / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (testing.gloo.rendezvous_store)
+    size = world if ranks else 1
+    results = [work / f"results-rank{rank}.jsonl" for rank in range(size)]
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # this interpreter's imports, test dirs included
     env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1",
-           "WORLD_SIZE": str(world), "PYTHONPATH": os.pathsep.join(paths)}
+           "WORLD_SIZE": str(size), "PYTHONPATH": os.pathsep.join(paths)}
     procs = []
-    for rank in range(world):
-        (work / f"results-rank{rank}.jsonl").unlink(missing_ok=True)
+    for rank in range(size):
+        results[rank].unlink(missing_ok=True)  # the ranks append to it
         with open(work / f"rank{rank}.log", "w") as log:  # forked warm where it can (train.zygote)
             procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
                                       env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                                       stdout=log.fileno(), stderr=log.fileno()))
-    deadline = time.monotonic() + timeout
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    finished, deadline, timed_out = 0, time.monotonic() + timeout, False
+    while any(p.poll() is None for p in procs):
         if any(p.returncode not in (None, 0) for p in procs):
             time.sleep(2.0)  # the peer records its own error, then it is stopped
+            break
+        done = len(results[0].read_text().splitlines()) if results[0].is_file() else 0
+        if done != finished:  # a job finished: the launch is making progress
+            finished, deadline = done, time.monotonic() + timeout
+        if time.monotonic() > deadline:
+            timed_out = True
             break
         time.sleep(0.2)
     for p in procs:
         if p.poll() is None:
             p.kill()
         p.wait()
-    records = [json.loads(line) for rank in range(world) if (work / f"results-rank{rank}.jsonl").is_file()
-               for line in (work / f"results-rank{rank}.jsonl").read_text().splitlines() if line.strip()]
-    for r in records:  # a one-rank job is recorded as its group's "base"
+    records = [json.loads(line) for path in results if path.is_file()
+               for line in path.read_text().splitlines() if line.strip()]
+    for r in records:
         r["name"] = names[r["group"]] if r["what"] == "base" else r["what"]
+    losses = {r["name"]: r["losses"] for r in records if "losses" in r}
     errors = sorted((r for r in records if "error" in r), key=lambda r: r["time"])
-    if errors:
-        raise RuntimeError(f"{errors[0]['name']} (rank {errors[0]['rank']}): {errors[0]['error']}")
-    out = {r["name"]: (r["losses"], configs[r["name"]]) for r in records if "losses" in r}
-    missing = [n for n in configs if n not in out]
-    if missing:
-        log = (work / "rank0.log").read_text()[-2000:]
-        raise RuntimeError(f"{missing[0]}: no result (timed out after {timeout:g} s or a rank died): {log}")
-    return out
+    if errors:  # the earliest: a peer's later error is usually "connection closed"
+        return losses, (errors[0]["name"], errors[0]["rank"], errors[0]["error"])
+    missing = [n for n in [*alone, *ranks] if n not in losses]
+    if not missing:
+        return losses, None
+    tail = [line for line in (work / "rank0.log").read_text().splitlines() if line.strip()][-1:]
+    why = f"timed out after {timeout:g} s" if timed_out else "a rank died"
+    return losses, (missing[0], 0, why + (f" (rank 0 log: {tail[0][:160]})" if tail else ""))
