@@ -62,6 +62,28 @@ def test_sampling_options():
         SamplingConfig(top_p=0).check()
 
 
+def test_sampling_by_uniforms_inverts_each_rows_distribution():
+    """Rollouts draw every row at once from its own uniforms: over evenly spaced
+    uniforms each token is drawn in proportion to its probability, tokens top-k / top-p
+    remove never are, a row's draw does not depend on the others, greedy is argmax."""
+    from titan_plugins.components.sampling import sample_by_uniforms
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0], [2.0, 0.0, 0.0, 0.0]])
+    n = 10_000
+    u = (torch.arange(n) + 0.5) / n
+    for cfg, allowed in ((SamplingConfig(temperature=1.0), [0, 1, 2, 3]),
+                         (SamplingConfig(temperature=0.7, top_k=2), [1, 3]),
+                         (SamplingConfig(temperature=1.0, top_p=0.8), [1, 3])):
+        draws = sample_by_uniforms(logits[:1].expand(n, -1), cfg, u)
+        probs = (logits[0] / cfg.temperature).masked_fill(
+            ~torch.isin(torch.arange(4), torch.tensor(allowed)), float("-inf")).softmax(-1)
+        torch.testing.assert_close(torch.bincount(draws, minlength=4) / n, probs, rtol=0, atol=2e-4)
+    pair = sample_by_uniforms(logits, SamplingConfig(temperature=1.0), torch.tensor([0.3, 0.99]))
+    alone = sample_by_uniforms(logits[1:], SamplingConfig(temperature=1.0), torch.tensor([0.99]))
+    assert pair[1] == alone[0] == 3
+    assert sample_by_uniforms(logits, SamplingConfig(), u[:2]).tolist() == [1, 0]
+
+
 def test_generate_stops_at_eos():
     class Fixed(torch.nn.Module):  # always predicts token 3, then the EOS 2 after it
         def __init__(self):

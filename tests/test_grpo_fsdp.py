@@ -40,8 +40,11 @@ def test_fsdp2_samples_and_trains_as_one_rank_with_two_microbatches(tmp_path):
     two, two_completions = _go(tmp_path, "fsdp2", *start, "parallelism=fsdp2")
     assert two_completions == one_completions
     for a, b in zip(one, two, strict=True):
-        for key in ("loss", "reward", "reward_std", "entropy", "completions/mean_length", "clip_ratio/region_mean"):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length", "clip_ratio/region_mean"):
             assert a[key] == b[key], (a["step"], key)
+        # one rank averages two microbatches' means, two ranks take one mean over both
+        # ranks' tokens: the same number here (equal lengths), grouped differently in float
+        assert b["entropy"] == pytest.approx(a["entropy"], rel=1e-12, abs=0)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
     assert 0 < one[0]["rewards/format/mean"] < 1
     final = [torch.load(tmp_path / name / "final_params.pt") for name in ("one", "fsdp2")]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SamplingConfig", "sample_next"]
+__all__ = ["SamplingConfig", "sample_by_uniforms", "sample_next"]
 
 
 @dataclass
@@ -39,10 +39,8 @@ class SamplingConfig:
             raise ValueError(f"top_p={self.top_p}: must be in (0, 1]")
 
 
-def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
-    """``logits [B, V]`` -> token ids ``[B]``."""
-    if cfg.temperature == 0:
-        return logits.argmax(dim=-1)
+def _probs(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The sampling distribution ``[B, V]`` of ``logits [B, V]`` (temperature > 0)."""
     logits = logits.float() / cfg.temperature
     if cfg.top_k:
         kth = torch.topk(logits, min(cfg.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -54,5 +52,26 @@ def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gene
         drop = probs.cumsum(dim=-1) - probs >= cfg.top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
+
+
+def sample_next(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """``logits [B, V]`` -> token ids ``[B]``."""
+    if cfg.temperature == 0:
+        return logits.argmax(dim=-1)
+    return torch.multinomial(_probs(logits, cfg), 1, generator=generator).squeeze(-1)
+
+
+def sample_by_uniforms(logits: torch.Tensor, cfg: SamplingConfig, uniforms: torch.Tensor) -> torch.Tensor:
+    """``logits [B, V]`` -> token ids ``[B]``, row ``b`` drawn by inverting its
+    distribution's CDF at ``uniforms[b]`` (in [0, 1)). One batched draw whose rows each
+    follow their own random stream: a row samples the same tokens whatever rows share
+    its batch, without a generator call per row and token."""
+    if cfg.temperature == 0:
+        return logits.argmax(dim=-1)
+    cdf = _probs(logits, cfg).cumsum(dim=-1)
+    # scaled by the row's total: the float sum may end just below 1
+    u = (uniforms.to(cdf.dtype) * cdf[:, -1]).unsqueeze(-1)
+    # the first token whose CDF exceeds u; zero-probability tokens never are (their CDF
+    # step is empty), so masked tokens cannot be drawn
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logits.shape[-1] - 1)

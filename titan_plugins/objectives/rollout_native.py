@@ -7,9 +7,10 @@ padding), one forward for the prompts, then one position per forward. Sampling i
 ``objective.temperature`` / ``top_k`` / ``top_p`` (``components.sampling``, transformers'
 order); a completion ends with its first EOS id (the tokenizer's and
 generation_config.json's, which it keeps: TRL's completion) or at
-``max_completion_length`` tokens. Each completion draws from its own generator, seeded
-by ``(training.seed, step, the prompt's global position, its index in the group)``: the
-same completions at any data-parallel layout and after a resume. Under data parallelism
+``max_completion_length`` tokens. Each completion draws from its own stream of uniforms,
+seeded by ``(training.seed, step, the prompt's global position, its index in the
+group)``, one per token, inverting that token's CDF: the same completions at any
+data-parallel layout and after a resume, in one batched draw per token. Under data parallelism
 every rank runs the same number of forwards (FSDP gathers weights in each): the ranks
 agree after each token whether all their rows are done.
 """
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titan_plugins.components.kv_cache import KVCache
-from titan_plugins.components.sampling import SamplingConfig, sample_next
+from titan_plugins.components.sampling import SamplingConfig, sample_by_uniforms
 from titan_plugins.loss.token_logps import last_logits
 from titan_plugins.objectives.job import step_seed
 from titan_plugins.objectives.rollout import Completions
@@ -57,18 +58,21 @@ def sample_completions(model: torch.nn.Module, prompts: list[list[int]], seeds: 
         ids[i, width - len(p):] = torch.tensor(p)
         pad[i, width - len(p):] = False
     ids, pad = ids.to(device), pad.to(device)
-    generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    # each completion's whole stream of uniforms up front, from its own generator: one
+    # batched draw per token after that (sample_by_uniforms), not a call per row
+    uniforms = torch.stack([torch.rand(cfg.max_new_tokens, generator=torch.Generator().manual_seed(s))
+                            for s in seeds]).to(device)
     cache = KVCache(pad)
     stop = torch.tensor(stops or [pad_id], dtype=torch.int64, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     new: list[torch.Tensor] = []
     step_in = ids
-    for _ in range(cfg.max_new_tokens):
+    for t in range(cfg.max_new_tokens):
         logits = last_logits(model(step_in, cache=cache))
         if isinstance(logits, DTensor):  # TP's loss_parallel head: the vocabulary is sharded over tp
             logits = logits.full_tensor()
         cache.advance(step_in.shape[1])
-        nxt = torch.cat([sample_next(logits[i:i + 1], cfg, generators[i]) for i in range(len(prompts))])
+        nxt = sample_by_uniforms(logits, cfg, uniforms[:, t])
         nxt = torch.where(done, stop[0], nxt)
         done = done | torch.isin(nxt, stop)
         new.append(nxt)
