@@ -121,15 +121,19 @@ def precision_dtype(precision: Any) -> str:
 def measure_matmul_tflops(dtype: torch.dtype = torch.float32, seconds: float = 0.3, n: int = 2048) -> float:
     """Best TFLOP/s of square ``n`` matmuls run for about ``seconds`` with torch's
     current intra-op threads. A 512 matmul first sizes ``n`` down where this dtype
-    is slow (bf16 without hardware support), so the probe stays under ~1 s."""
-    small = torch.randn(512, 512).to(dtype)
+    is slow (bf16 without hardware support), so the probe stays under ~1 s. Its inputs
+    come from a generator of its own: only rank 0 probes (``run_peak_tflops``), and a
+    draw from torch's global generator there would leave rank 0's random ops (dropout,
+    PhiMoE's expert sampling) out of step with the other ranks' after the same seed."""
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randn(512, 512, generator=gen).to(dtype)
     torch.mm(small, small)  # first call: thread pool and packing set-up
     start = time.perf_counter()
     torch.mm(small, small)
     rate = 2 * 512**3 / max(time.perf_counter() - start, 1e-9)
     while n > 512 and 2 * n**3 / rate > seconds / 3:
         n //= 2
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    a, b = torch.randn(n, n, generator=gen).to(dtype), torch.randn(n, n, generator=gen).to(dtype)
     out = torch.mm(a, b)
     best, spent, iters = 0.0, 0.0, 0
     while spent < seconds or iters < 2:

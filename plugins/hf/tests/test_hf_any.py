@@ -177,6 +177,17 @@ def test_verify_passes_an_equal_model_on_packed_documents(tmp_path):
     assert line is not None and "difference 0.0e+00" in line, line
 
 
+def test_verify_passes_a_model_that_samples_in_training(tmp_path):
+    """PhiMoE samples its experts in training (transformers' default router_jitter_noise
+    0.01): both sides draw the same numbers, so an equal model is not stopped by luck."""
+    folder = _folder(tmp_path, "phimoe", num_local_experts=4)
+    spec, config = _spec_and_config(folder)
+    assert json.loads((folder / "config.json").read_text())["router_jitter_noise"] == 0.01
+    ids = torch.randint(3, 256, (1, 129), generator=torch.Generator().manual_seed(0))  # verify's 128 tokens
+    line = verify(spec, config, str(folder), ids[:, :-1], ids[:, 1:], forced=True)
+    assert line is not None and "difference 0.0e+00" in line, line
+
+
 def test_verify_names_the_worst_tensor_of_a_wrong_model(tmp_path, monkeypatch):
     """Without the base forward's embedding work the model is wrong: one line, before launch."""
     import titan_hf.model

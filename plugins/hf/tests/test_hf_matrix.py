@@ -54,6 +54,24 @@ def test_tiny_folder_sets_the_scales_it_finds(tmp_path):
         assert any(".experts.3." in k for k in f.keys())  # noqa: SIM118 - safe_open has no __iter__
 
 
+def test_tiny_folder_turns_training_noise_off():
+    """PhiMoE samples its experts in training (within transformers' default
+    router_jitter_noise 0.01 of the best one): each layout would draw other numbers than
+    one rank (fsdp2 differed by 2.5e-02). The tiny folder sets it to 0; the row says so."""
+    from titan_hf.matrix import _noise_note, render
+    from titan_hf.matrix_folders import tiny_config, zeroed_noise
+
+    assert tiny_config("phimoe").router_jitter_noise == 0.0
+    assert zeroed_noise("phimoe") == ["router_jitter_noise"] and zeroed_noise("mixtral") == []
+    row = {"type": "phimoe", "class": "PhimoeForCausalLM", "builds": True, "status": "equal", "reason": "",
+           "diff": 0.0}
+    row.update(_noise_note("phimoe", row))
+    assert row["noise_zeroed"] == ["router_jitter_noise"]
+    assert _noise_note("phimoe", {**row, "status": "untested"}) == {}
+    text = render({"phimoe": row}, [], "titan-hf-matrix --types phimoe")
+    assert "| phimoe | PhimoeForCausalLM | yes | equal (router_jitter_noise=0: training-time noise off) |" in text
+
+
 def test_command_writes_the_table(tmp_path, capsys):
     out = tmp_path / "matrix.md"
     assert main(["--types", "qwen2,t5", "--layouts", "none", "--out", str(out), "--work", str(tmp_path / "work"),
@@ -97,6 +115,17 @@ def test_layout_cells_sample(tmp_path):
     cells = layout_cells(folders, ["fsdp2", "pp2", "ep2"], tmp_path / "runs")
     assert cells == {"llama": {"fsdp2": "equal", "pp2": "equal", "ep2": "n/a"},
                      "olmoe": {"fsdp2": "equal", "pp2": "equal", "ep2": "equal"}}, cells
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_layout_cells_of_a_model_that_samples_in_training(tmp_path):
+    """PhiMoE's tiny folder (training-time noise off) equals one rank on fsdp2."""
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.matrix_layouts import layout_cells
+
+    cells = layout_cells({"phimoe": tiny_folder("phimoe", tmp_path / "phimoe")}, ["fsdp2"], tmp_path / "runs")
+    assert cells == {"phimoe": {"fsdp2": "equal"}}, cells
 
 
 def test_layout_refusals_are_cells(tmp_path):

@@ -10,7 +10,8 @@ equal to one rank within 1e-5 over 3 fp32 steps on the same global batch:
   on fsdp2, fsdp2_tp2 and pp2, Phi-3 tp2
   without SP and pp2_tp2, Mixtral tp2_ep2, Qwen3-MoE fsdp2_ep2 and fsdp2_tp2_ep2, GPT-OSS
   pp2, fsdp2 with full activation checkpointing and fsdp2_ep2; Llama cp2 and OLMo-2
-  cp2_tp2 with document masks, Qwen3 fsdp2_cp2.
+  cp2_tp2 with document masks, Qwen3 fsdp2_cp2; PhiMoE tp2 (experts sampled in training)
+  with and without rank 0's CPU peak probe.
 
 Mixtral's and Qwen3-MoE's TP layouts run without SP (their plan leaves the MoE block
 out). The jobs of one world size share one launch (``train_in_one_launch``), and every
@@ -151,6 +152,29 @@ def test_layout_equals_one_rank(runs, flavor, layout):
 @pytest.mark.parametrize("flavor, layout", EXTENDED)
 def test_more_layouts_equal_one_rank(more_runs, flavor, layout):
     _assert_equals_one_rank(more_runs, flavor, layout)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_tp_ranks_sample_the_same_experts(tmp_path):
+    """PhiMoE samples its experts in training (transformers' default router_jitter_noise
+    0.01) in an MoE block its TP plan leaves replicated: the tp ranks hold the same batch
+    and must draw the same numbers, else their copies of the router and experts train
+    apart, silently. Rank 0 alone probes the CPU's peak for MFU before the first step; the
+    same tp2 job with the probe skipped (``metrics.peak_tflops`` set) trains the same losses."""
+    import json
+
+    from titan_hf.matrix_folders import tiny_folder
+
+    folder = tiny_folder("phimoe", tmp_path / "phimoe")  # its noise off: turned back on here
+    config = folder / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "router_jitter_noise": 0.01}))
+    argv = [*COMMON, f"model.hf={folder}", "model.verify=false", *LAYOUTS["tp2_nosp"][1]]
+    out = train_in_one_launch(tmp_path / "runs", world=2, timeout=TIMEOUT,
+                              ranks={"probed": argv, "not_probed": [*argv, "metrics.peak_tflops=100"]})
+    probed, not_probed = out["probed"][0], out["not_probed"][0]
+    assert len(probed) == STEPS and max(abs(a - b) for a, b in zip(probed, not_probed, strict=True)) <= 1e-5, (
+        probed, not_probed)
 
 
 def _parallelized_on_a_fake_rank(flavor: str, par: dict):

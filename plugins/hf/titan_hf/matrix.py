@@ -56,9 +56,24 @@ def _worker(types: list[str], work: str) -> int:
     for model_type in types:
         print(_MARK + json.dumps({"start": model_type}), flush=True)
         row = one_rank(model_type, work)
+        row.update(_noise_note(model_type, row))
         print(_MARK + json.dumps(row), flush=True)
         gc.collect()
     return 0
+
+
+def _noise_note(model_type: str, row: dict[str, Any]) -> dict[str, Any]:
+    """``{"noise_zeroed": [field, ...]}`` where the type's tiny folder set training-time
+    noise to 0 (``titan_hf.matrix_folders.zeroed_noise``), for the row's note."""
+    from titan_hf.matrix_folders import zeroed_noise
+
+    if row["status"] not in ("equal", "differ", "error"):
+        return {}  # refused or untested before any folder trained
+    try:
+        fields = zeroed_noise(model_type)
+    except Exception:  # noqa: BLE001 - the row itself says what failed
+        return {}
+    return {"noise_zeroed": fields} if fields else {}
 
 
 def _run_batch(types: list[str], work: Path, timeout: float, log: Path, rows: dict[str, dict]) -> None:
@@ -180,7 +195,9 @@ def render(rows: dict[str, dict], layouts: list[str], command: str) -> str:
         f"Generated on {date} with transformers {transformers.__version__} and torch {torch.__version__} by:", "",
         f"    {command}", "",
         "Every `model_type` of transformers' causal-LM auto mapping: a tiny random folder (hidden 64, 2 layers, "
-        "std 0.2 weights, non-trivial scales and soft-caps; `titan_hf/matrix_folders.py`), step-1 loss and every "
+        "std 0.2 weights, non-trivial scales and soft-caps, dropout off, training-time noise off where the row says "
+        "`<field>=0` (PhiMoE samples its experts in training: each layout would draw other numbers than one rank); "
+        "`titan_hf/matrix_folders.py`), step-1 loss and every "
         "gradient norm of `model=hf` (loaded by `titan_plugins.hf.load_hf_model`) against transformers' "
         "`from_pretrained`, fp32, one rank. **equal**: loss within 1e-5 and gradient norms within 1e-4 "
         "(relative). **refused**: the plugin's one-line refusal before launch. **differ**: trains with another "
@@ -204,6 +221,8 @@ def render(rows: dict[str, dict], layouts: list[str], command: str) -> str:
         status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason']}"
         if r["status"] == "differ":
             status += " (model.verify stops it)" if r.get("verify_stops") else " (NOT stopped by model.verify)"
+        if r.get("noise_zeroed"):
+            status += f" ({', '.join(f'{k}=0' for k in r['noise_zeroed'])}: training-time noise off)"
         builds = {True: "yes", False: "no", None: ""}[r.get("builds")]
         diff = f"{r['diff']:.1e}" if "diff" in r else ""
         missing = "not run" if r["status"] == "equal" else ""

@@ -7,11 +7,12 @@ defaults) and is shrunk generically: only attributes the config has are set (hid
 64, 2 layers, 4 heads / 2 key-value heads, head_dim 16, vocabulary 256, 128 positions;
 MoE: 4 experts, top 2, small expert sizes), per-layer lists are cut to the layers kept
 (one of each kind first, so a sliding + full model keeps both), token ids fit the
-vocabulary and dropout is off (both sides train, fp32). Every float multiplier, scale,
-scaling or soft-cap field left at ``1.0`` or ``None`` gets a value that changes the
-loss, so a skipped scale shows up. Weights are random with std 0.2 (matrices) or 0.2
-around their initial value (norm weights near 1, or near 0 for ``1 + w`` norms);
-embeddings' padding rows stay zero.
+vocabulary and dropout is off (both sides train, fp32), and so is the training-time
+noise of a ``*jitter*`` field (:func:`zeroed_noise`: PhiMoE's ``router_jitter_noise``).
+Every float multiplier, scale, scaling or soft-cap field left at ``1.0`` or ``None``
+gets a value that changes the loss, so a skipped scale shows up. Weights are random
+with std 0.2 (matrices) or 0.2 around their initial value (norm weights near 1, or
+near 0 for ``1 + w`` norms); embeddings' padding rows stay zero.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SIZES", "tiny_config", "tiny_folder"]
+__all__ = ["SIZES", "tiny_config", "tiny_folder", "zeroed_noise"]
 
 #: shape fields set wherever the config has them
 SIZES: dict[str, Any] = dict(
@@ -40,6 +41,15 @@ SIZES: dict[str, Any] = dict(
 _TOKENS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 _CORE = ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads")  # never given up
 _DROPOUT = re.compile(r"dropout|pdrop|drop_prob|layerdrop")
+# Training-time random noise, set to 0 like dropout. PhiMoE's router samples its experts
+# in training (sparsemixer: Gumbel draws among the experts within 2 * router_jitter_noise,
+# relative, of the best one), so a run equals another only where both draw the same
+# numbers for the same tokens; a layout's ranks hold other rows (fsdp2, ep2), positions
+# (cp2) or layers (pp2) and draw other numbers than one rank does: the layout columns
+# would measure the noise (2.5e-02 on fsdp2), not the layout. At 0 the best expert is
+# the only candidate, so the draws change nothing (routing is plain top-k). The row says
+# so (zeroed_noise, titan_hf.matrix).
+_NOISE = re.compile(r"jitter")
 _SCALE = re.compile(r"(multiplier|scale|scaling|softcap|softcapping)$")
 _NOT_SCALES = {"rope_scaling"}  # dicts / switches, not numbers
 
@@ -58,6 +68,18 @@ def _nontrivial(key: str, value: Any) -> Any:
     if isinstance(value, list) and value and all(isinstance(v, float) and v == 1.0 for v in value):
         return [0.75 + 0.5 * (i % 2) for i in range(len(value))]
     return None
+
+
+def _is_noise(key: str, value: Any) -> bool:
+    return bool(_NOISE.search(key)) and isinstance(value, (int, float)) and not isinstance(value, bool) and value != 0
+
+
+def zeroed_noise(model_type: str) -> list[str]:
+    """The training-time noise fields (``router_jitter_noise``) the architecture's
+    defaults set and the tiny folder sets to 0: what the matrix row notes."""
+    from transformers import AutoConfig
+
+    return sorted(k for k, v in AutoConfig.for_model(model_type).to_dict().items() if _is_noise(k, v))
 
 
 def _resize(values: list[Any], n: int) -> list[Any]:
@@ -80,6 +102,8 @@ def _overrides(default: Any) -> dict[str, Any]:
     vocab = SIZES["vocab_size"]
     for key, value in values.items():
         if _DROPOUT.search(key) and isinstance(value, float):
+            out[key] = 0.0
+        elif _is_noise(key, value):
             out[key] = 0.0
         elif _SCALE.search(key) and (fixed := _nontrivial(key, value)) is not None:
             out[key] = fixed

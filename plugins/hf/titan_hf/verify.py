@@ -47,7 +47,11 @@ def compare(ours: torch.nn.Module, theirs: torch.nn.Module, renames: tuple[tuple
 
         # (no cache: transformers detects packed rows from position_ids only without one)
         packed = {"position_ids": document_positions(document_ids(inputs, ours.eos_id)), "use_cache": False}
-    mine, ref = _loss(ours(inputs), labels), _loss(theirs(inputs, **packed).logits, labels)
+    # both forwards from the same random state: a model that samples in training (PhiMoE's
+    # experts, transformers' default router_jitter_noise) draws the same numbers on both sides
+    with torch.random.fork_rng(devices=[inputs.device] if inputs.device.type == "cuda" else []):
+        mine = _loss(ours(inputs), labels)
+    ref = _loss(theirs(inputs, **packed).logits, labels)
     mine.backward()
     ref.backward()
     their_params = dict(theirs.named_parameters(remove_duplicate=False))
