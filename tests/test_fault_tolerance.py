@@ -52,8 +52,16 @@ def _finish(proc: subprocess.Popen) -> tuple[int, str, str]:
 def _left_behind(run_dir: Path, lighthouse: int, wait: float = 3.0) -> list[str]:
     """The job's processes alive ``wait`` s after titan-run exited: the lighthouse, and
     whatever runs with the job's quorum log in its environment (every group's launcher,
-    fork server, ranks and their children; each group is a session of its own)."""
-    time.sleep(wait)
+    fork server, ranks and their children; each group is a session of its own). Looked
+    at until none is left or ``wait`` s have passed (none of them can start another
+    once none is left)."""
+    deadline = time.monotonic() + wait
+    while (left := _alive_of(run_dir, lighthouse)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return left
+
+
+def _alive_of(run_dir: Path, lighthouse: int) -> list[str]:
     left, mark = [], str(run_dir).encode()
     for entry in Path("/proc").iterdir():
         try:

@@ -68,8 +68,15 @@ def _start(run_dir: Path, *overrides: str, env: dict | None = None, background: 
 
 def _left_behind(proc: subprocess.Popen, wait: float = 3.0) -> list[str]:
     """The processes of ``proc``'s session still alive ``wait`` s after it exited
-    (a process re-parented to init keeps its session; ``_finish`` noted the exit)."""
-    time.sleep(max(0.0, proc.ended + wait - time.monotonic()))
+    (a process re-parented to init keeps its session; ``_finish`` noted the exit).
+    Looked at until none is left or the ``wait`` is over (once none is left, none of the
+    session can start another)."""
+    while (left := _session_alive(proc)) and time.monotonic() < proc.ended + wait:
+        time.sleep(0.05)
+    return left
+
+
+def _session_alive(proc: subprocess.Popen) -> list[str]:
     left = []
     for entry in Path("/proc").iterdir():
         try:

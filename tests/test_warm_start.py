@@ -24,10 +24,11 @@ TINY = ["model=tiny", "training.seq_len=32", "training.steps=2", "metrics.tensor
         "metrics.console=false"]
 
 
-def _go(tmp_path: Path, name: str, *overrides: str, env: dict | None = None, timeout: float = 240):
+def _go(tmp_path: Path, name: str, *overrides: str, env: dict | None = None, timeout: float = 240,
+        plugins: tuple[str, ...] = ()):
     probe = tmp_path / f"{name}-probe"
     probe.mkdir()
-    result = run([*TINY, *overrides], run_dir=tmp_path / name, extra_plugins=["tiny_plugin"],
+    result = run([*TINY, *overrides], run_dir=tmp_path / name, extra_plugins=["tiny_plugin", *plugins],
                  env={"TITAN_TINY_PROBE": str(probe), **(env or {})}, timeout=timeout)
     ranks = {p.stem: json.loads(p.read_text()) for p in probe.glob("rank*.json")}
     return result, ranks
@@ -92,7 +93,10 @@ def test_a_warm_run_trains_bit_for_bit_as_a_cold_one(tmp_path, monkeypatch):
 
 
 def test_a_timed_out_launcher_dies_with_its_ranks(tmp_path):
-    result, ranks = _go(tmp_path, "slow", "training.steps=100000", "training.seq_len=64", timeout=20)
+    # The rank waits after step 1 (fault_plugin) instead of training on: the 20 s it outlasts
+    # cost the other tests running beside this one no CPU.
+    result, ranks = _go(tmp_path, "slow", "training.steps=100000", timeout=20, plugins=("fault_plugin",),
+                        env={"TITAN_TEST_PARK_AFTER": "1"})
     assert result.returncode == 124 and result.error == "timed out after 20 s"
     assert ranks, "the rank had started (its probe is there)"
     deadline = time.monotonic() + 10
