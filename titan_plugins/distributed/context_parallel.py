@@ -110,7 +110,6 @@ def check_context_parallel(job: DictConfig, model_name: str, model_config: Any, 
         raise ConfigError(f"training.seq_len={seq} does not split into 2*cp={2 * cp} equal chunks "
                           f"(parallelism.cp={cp} needs seq_len divisible by {2 * cp})")
     not_yet = [
-        (dims.ep > 1, f"parallelism.ep={dims.ep}"),
         (bool(job.training.get("compile")), "training.compile=true"),
         (job.get("peft") is not None and _value(job.peft.get("method", "none")) == "qlora", "peft.method=qlora"),
     ]

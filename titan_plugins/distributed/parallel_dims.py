@@ -22,7 +22,8 @@ Named meshes (``parallel_dims.mesh(name)``):
     tp          tensor / sequence parallel
     ep          expert parallel
     etp         expert tensor parallel (the tp mesh, when etp == tp)
-    expert_fsdp FSDP mesh for expert weights under EP (dp_replicate x dp_shard_mod_ep)
+    expert_fsdp FSDP mesh for expert weights under EP (dp_replicate x dp_shard_mod_ep,
+                x cp with cp > 1)
 """
 
 from __future__ import annotations
@@ -124,25 +125,35 @@ class ParallelDims:
         from torch.distributed.device_mesh import init_device_mesh
 
         in_ep = self.dp_shard_in_ep
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard_mod_ep": self.dp_shard // in_ep,
+                 "dp_shard_in_ep": in_ep, "cp": self.cp, "tp": self.tp}
         names = ("pp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp", "tp")
-        shape = (self.pp, self.dp_replicate, self.dp_shard // in_ep, in_ep, self.cp, self.tp)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        if self.cp > 1 and self.ep > 1:
+            # the experts' FSDP mesh spans cp (below) and meets ep in 2-D DTensors, whose
+            # mesh dims must come in the root's order: cp before the ep ranks here
+            names = ("pp", "dp_replicate", "dp_shard_mod_ep", "cp", "dp_shard_in_ep", "tp")
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+
+        def flat(name: str, *dims: str):
+            return mesh[tuple(n for n in names if n in dims)]._flatten(name)
+
         self.world_mesh = mesh
         m = self._meshes
         m["pp"] = mesh["pp"]
         m["tp"] = mesh["tp"]
         m["cp"] = mesh["cp"]
-        m["dp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp")
-        m["dp_shard"] = mesh["dp_shard_mod_ep", "dp_shard_in_ep"]._flatten("dp_shard")
-        m["expert_fsdp"] = mesh["dp_replicate", "dp_shard_mod_ep"]._flatten("expert_fsdp")
+        m["dp"] = flat("dp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep")
+        m["dp_shard"] = flat("dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep")
+        # cp peers route different tokens of the same rows to the same (replicated) experts:
+        # their expert gradients must be summed too, so the experts' FSDP mesh spans cp
+        m["expert_fsdp"] = flat("expert_fsdp", "dp_replicate", "dp_shard_mod_ep", "cp")
         shard = "dp_shard"
         if self.cp > 1:
             shard = "dp_shard_cp"
-            m[shard] = mesh["dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten(shard)
-            m["dp_cp"] = mesh["dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp"]._flatten("dp_cp")
+            m[shard] = flat(shard, "dp_shard_mod_ep", "dp_shard_in_ep", "cp")
+            m["dp_cp"] = flat("dp_cp", "dp_replicate", "dp_shard_mod_ep", "dp_shard_in_ep", "cp")
         if self.ep > 1:
-            ep_dims = ("dp_shard_in_ep", "tp") if self.etp == 1 else ("dp_shard_in_ep",)
-            m["ep"] = mesh[ep_dims]._flatten("ep")
+            m["ep"] = flat("ep", "dp_shard_in_ep", *(("tp",) if self.etp == 1 else ()))
         with warnings.catch_warnings():
             # Slicing a flattened dim from the root is what HSDP needs: a 2-D mesh.
             warnings.simplefilter("ignore", UserWarning)
