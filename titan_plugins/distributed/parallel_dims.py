@@ -146,7 +146,7 @@ class ParallelDims:
         m["dp_shard"] = flat("dp_shard", "dp_shard_mod_ep", "dp_shard_in_ep")
         # cp peers route different tokens of the same rows to the same (replicated) experts:
         # their expert gradients must be summed too, so the experts' FSDP mesh spans cp
-        m["expert_fsdp"] = flat("expert_fsdp", "dp_replicate", "dp_shard_mod_ep", "cp")
+        m["expert_fsdp"] = flat("expert_fsdp", "dp_replicate", "dp_shard_mod_ep", *(("cp",) if self.cp > 1 else ()))
         shard = "dp_shard"
         if self.cp > 1:
             shard = "dp_shard_cp"
