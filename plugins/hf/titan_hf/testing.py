@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -104,7 +103,7 @@ def train_configs_in_one_launch(
     The ranks are the core's loss-parity ranks (``titan_plugins.testing.conformance._parity_ranks``)
     running the core's ``Trainer``; they fork from the warm process that launches jobs
     (``train.zygote``): torch, transformers and the plugins import once."""
-    from titan_plugins.train.zygote import popen_module
+    from titan_plugins.testing.conformance.parity import launch_parity_ranks
 
     work = Path(work)
     work.mkdir(parents=True, exist_ok=True)
@@ -114,37 +113,12 @@ def train_configs_in_one_launch(
                        {"base": None, "cases": [[n, str(config)] for n, config in ranks.items()]}]}
     plan_path = work / "plan.json"
     plan_path.write_text(json.dumps(plan))
-    (work / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (testing.gloo.rendezvous_store)
     size = world if ranks else 1
-    results = [work / f"results-rank{rank}.jsonl" for rank in range(size)]
     paths = [p for p in sys.path if p and os.path.isdir(p)]  # this interpreter's imports, test dirs included
     env = {"OMP_NUM_THREADS": "1", **os.environ, "MASTER_ADDR": "127.0.0.1",
            "WORLD_SIZE": str(size), "PYTHONPATH": os.pathsep.join(paths)}
-    procs = []
-    for rank in range(size):
-        results[rank].unlink(missing_ok=True)  # the ranks append to it
-        with open(work / f"rank{rank}.log", "w") as log:  # forked warm where it can (train.zygote)
-            procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                      stdout=log.fileno(), stderr=log.fileno()))
-    finished, deadline, timed_out = 0, time.monotonic() + timeout, False
-    while any(p.poll() is None for p in procs):
-        if any(p.returncode not in (None, 0) for p in procs):
-            time.sleep(2.0)  # the peer records its own error, then it is stopped
-            break
-        done = len(results[0].read_text().splitlines()) if results[0].is_file() else 0
-        if done != finished:  # a job finished: the launch is making progress
-            finished, deadline = done, time.monotonic() + timeout
-        if time.monotonic() > deadline:
-            timed_out = True
-            break
-        time.sleep(0.2)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    records = [json.loads(line) for path in results if path.is_file()
-               for line in path.read_text().splitlines() if line.strip()]
+    records, timed_out = launch_parity_ranks(plan_path, work, env, [work / f"rank{r}.log" for r in range(size)],
+                                             timeout, progress=True)
     for r in records:
         r["name"] = names[r["group"]] if r["what"] == "base" else r["what"]
     losses = {r["name"]: r["losses"] for r in records if "losses" in r}

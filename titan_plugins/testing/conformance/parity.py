@@ -26,7 +26,8 @@ from titan_plugins.testing.conformance.session import Outcome, Session, open_ses
 from titan_plugins.testing.conformance.target import Target
 from titan_plugins.train.zygote import popen_module
 
-__all__ = ["PARITY_BASE", "PARITY_CASES", "TRAIN_OVERRIDES", "check_loss_parity", "run_parity_checks"]
+__all__ = ["PARITY_BASE", "PARITY_CASES", "TRAIN_OVERRIDES", "check_loss_parity", "launch_parity_ranks",
+           "run_parity_checks"]
 
 # kind -> the 2-rank run (same global batch of 4 as the baseline).
 PARITY_CASES: dict[str, tuple[str, ...]] = {
@@ -168,6 +169,47 @@ def _run_groups(session: Session, groups: list[_Group], base_dir: Path, timeout:
 
 
 # ------------------------------------------------------------------ launching
+def launch_parity_ranks(plan_path: Path, work: Path, env: dict[str, str], logs: Sequence[Path], timeout: float, *,
+                        progress: bool = False) -> tuple[list[dict], bool]:
+    """Run the loss-parity ranks (``_parity_ranks``) of ``plan_path`` (whose ``dir`` is
+    ``work``), one per log in ``logs``, with ``env`` (``MASTER_ADDR``, ``WORLD_SIZE``);
+    wait until they end, one fails (its peer gets 2 s to record its own error) or
+    ``timeout`` passes (with ``progress``: passes without a job finishing on rank 0).
+    Returns every rank's result records and whether it timed out. Ranks fork warm
+    where they can (``train.zygote``): no imports per rank."""
+    results = [work / f"results-rank{rank}.jsonl" for rank in range(len(logs))]
+    for path in results:
+        path.unlink(missing_ok=True)  # the ranks append to it
+    (work / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (rendezvous_store)
+    procs = []
+    for rank, log_path in enumerate(logs):
+        with open(log_path, "w") as log:
+            procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
+                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                                      stdout=log.fileno(), stderr=log.fileno()))
+    finished, deadline, timed_out = 0, time.monotonic() + timeout, False
+    try:
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2.0)  # let the peer record its own error, then stop it
+                break
+            done = len(results[0].read_text().splitlines()) if progress and results[0].is_file() else 0
+            if done != finished:  # a job finished: the launch is making progress
+                finished, deadline = done, time.monotonic() + timeout
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    records = [json.loads(line) for path in results if path.is_file()
+               for line in path.read_text().splitlines() if line.strip()]
+    return records, timed_out
+
+
 def _launch(session: Session, todo: list[_Group], base_dir: Path, attempt: int, timeout: float) -> None:
     """One 2-rank job for the pending runs of ``todo``; records losses and failures."""
     plans = [(group, group.pending()) for group in todo]
@@ -181,38 +223,10 @@ def _launch(session: Session, todo: list[_Group], base_dir: Path, attempt: int, 
     }
     plan_path = base_dir / f"parity-plan-{attempt}.json"
     plan_path.write_text(json.dumps(plan))
-    for rank in range(2):
-        (base_dir / f"results-rank{rank}.jsonl").unlink(missing_ok=True)
     env = session.target.env()
-    (base_dir / "rendezvous-port").unlink(missing_ok=True)  # rank 0 publishes this launch's (rendezvous_store)
     env.update(MASTER_ADDR="127.0.0.1", WORLD_SIZE="2")
     logs = [base_dir / f"parity-rank{r}-{attempt}.log" for r in range(2)]
-    procs = []
-    for rank in range(2):
-        with open(logs[rank], "w") as log:  # forked warm where it can (train.zygote): no imports per rank
-            procs.append(popen_module("titan_plugins.testing.conformance._parity_ranks", [str(plan_path)],
-                                      env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
-                                      stdout=log.fileno(), stderr=log.fileno()))
-    deadline, timed_out = time.monotonic() + limit, False
-    try:
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2.0)  # let the peer record its own error, then stop it
-                break
-            if time.monotonic() > deadline:
-                timed_out = True
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-    records = []
-    for rank in range(2):
-        path = base_dir / f"results-rank{rank}.jsonl"
-        if path.is_file():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records, timed_out = launch_parity_ranks(plan_path, base_dir, env, logs, limit)
     for record in records:
         if "losses" in record:
             plans[record["group"]][0].losses[record["what"]] = record["losses"]
