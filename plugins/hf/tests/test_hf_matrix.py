@@ -25,6 +25,7 @@ def test_sample_equals_transformers(tmp_path, model_type):
     row = one_rank(model_type, tmp_path)
     assert row["status"] == "equal", row
     assert row["builds"] is True and row["diff"] <= EQUAL_LOSS, row
+    assert row["checks"] == {"generation": "equal", "export": "equal", "lora": "equal"}, row
 
 
 @pytest.mark.parametrize("model_type, want", [
@@ -79,9 +80,11 @@ def test_command_writes_the_table(tmp_path, capsys):
     text = out.read_text()
     assert "transformers 5." in text and "    titan-hf-matrix --types qwen2,t5 --layouts none --out " in text
     assert "--json" not in text
-    assert "| qwen2 | Qwen2ForCausalLM | yes | equal |" in text
+    assert "| qwen2 | Qwen2ForCausalLM | yes | equal | 0.0e+00 | equal | equal | equal |" in text
     assert "| t5 |  |  | refused: config.json: model_type='t5': " in text
-    assert "2 types: 1 equal, 1 refused, 0 differ" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "2 types: 1 equal, 1 refused, 0 differ" in said
+    assert "  export: 1 equal, 0 refused, 0 differ, 0 error" in said
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert rows["t5"]["status"] == "refused" and "\n" not in rows["t5"]["reason"]
 
@@ -181,4 +184,144 @@ def test_layouts_column(tmp_path):
     assert "layouts" not in rows["t5"]
     text = out.read_text()
     assert "- ep2: 1 equal, 0 refused, 1 n/a, 0 differ, 0 error" in text
-    assert "| llama | LlamaForCausalLM | yes | equal | 0.0e+00 | equal | equal | equal | n/a | equal |" in text
+    assert ("| llama | LlamaForCausalLM | yes | equal | 0.0e+00 | equal | equal | equal | equal | equal | equal | n/a "
+            "| equal |") in text
+
+
+# ------------------------------------------------ export, LoRA and generation (matrix_checks)
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """Llama's tiny folder and our model of it (``load_hf_model``, as a matrix row loads it)."""
+    from titan_hf.matrix_folders import tiny_folder
+
+    from titan_plugins.hf import load_hf_model
+
+    folder = tiny_folder("llama", tmp_path_factory.mktemp("checks") / "llama")
+    return folder, load_hf_model("hf", folder, overrides=["data=synthetic", "data.vocab_size=256"])
+
+
+def test_equal_row_records_export_lora_and_generation(tmp_path):
+    """Llama equal on one rank: its full export (weights moved) loads strictly in
+    transformers with our loss, its LoRA adapter loads in peft and its merged folder in
+    transformers with our LoRA loss, and greedy decoding gives transformers' tokens."""
+    from titan_hf.matrix import CHECKS
+    from titan_hf.matrix_checks import CHECKS as RUN
+
+    row = one_rank("llama", tmp_path)
+    assert row["status"] == "equal", row
+    assert row["checks"] == {"export": "equal", "lora": "equal", "generation": "equal"}, row
+    assert CHECKS == RUN
+    assert (tmp_path / "checks" / "llama" / "lora" / "hf-adapter" / "adapter_config.json").is_file()
+
+
+def test_an_export_of_the_source_weights_differs(llama, tmp_path, monkeypatch):
+    """An export that writes the folder it read (not our moved weights) is ``differ`` with
+    both losses; our model gets its own weights back after the check."""
+    import shutil
+
+    from titan_hf.matrix_checks import _loss, export_check
+
+    import titan_plugins.hf as hf
+
+    folder, ours = llama
+    before = _loss(ours)
+    monkeypatch.setattr(hf, "export_model", lambda model, name, out: shutil.copytree(folder, out))
+    cell = export_check(ours, folder, tmp_path / "export")
+    assert cell.startswith("differ: transformers' loss ") and " vs ours " in cell, cell
+    assert _loss(ours) == before
+
+
+def test_a_failing_check_is_its_own_cell(llama, tmp_path, monkeypatch):
+    """An export that raises is that cell's one line (``refused`` for a ConfigError,
+    ``error`` else); the other checks still run."""
+    from titan_hf.matrix_checks import _cell_of, export_check, run_checks
+
+    import titan_plugins.hf as hf
+    from titan_plugins.errors import ConfigError
+
+    folder, ours = llama
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(hf, "export_model", broken)
+    cells = run_checks(ours, folder, tmp_path)
+    assert cells.pop("export").startswith("error: RuntimeError: boom second line (at tests/test_hf_matrix.py:")
+    assert cells == {"generation": "equal", "lora": "equal"}
+
+    def refusing(*args, **kwargs):
+        raise ConfigError("out=x: no")
+
+    monkeypatch.setattr(hf, "export_model", refusing)
+    assert _cell_of(export_check, ours, folder, tmp_path / "e") == "refused: out=x: no"
+
+
+def test_lora_without_an_adapter_layout_is_refused(llama, tmp_path, monkeypatch):
+    """Adapters the PEFT format has no layout for (experts fused in the folder): the run's
+    export writes the merged folder alone (still checked) and the cell is its one line."""
+    from titan_hf.matrix_checks import lora_check
+
+    import titan_plugins.export.lora as lora
+    from titan_plugins.errors import ConfigError
+
+    def no_layout(*args, **kwargs):
+        raise ConfigError("peft: grouped experts x have no per-expert linears: export with --merge")
+
+    monkeypatch.setattr(lora, "check_expert_layout", no_layout)
+    folder, _ = llama
+    cell = lora_check(folder, tmp_path / "lora")
+    assert cell == "refused: peft: grouped experts x have no per-expert linears: export with --merge", cell
+    assert (tmp_path / "lora" / "hf" / "config.json").is_file() and not (tmp_path / "lora" / "hf-adapter").exists()
+
+
+def test_a_kv_cache_that_forgets_its_position_differs(llama, monkeypatch):
+    """Decoding whose cache never advances (every new token at rotary position 0) is
+    ``differ`` at the first token decoded from the cache."""
+    from titan_hf.matrix_checks import generation_check
+
+    from titan_plugins.components.kv_cache import KVCache
+
+    folder, ours = llama
+    assert generation_check(ours, folder) == "equal"
+    monkeypatch.setattr(KVCache, "advance", lambda self, n: None)
+    cell = generation_check(ours, folder)
+    assert cell.startswith("differ: first at token 1 ("), cell  # token 0: the prompt's own pass
+
+
+def test_check_columns_and_resume(tmp_path, monkeypatch, capsys):
+    """The three columns and their counts in the table and the summary; ``--resume`` of a
+    row written before them runs its type again (keeping its layout cells), not blank."""
+    import titan_hf.matrix as matrix
+
+    old = {"qwen2": {"type": "qwen2", "class": "Qwen2ForCausalLM", "builds": True, "status": "equal", "reason": "",
+                     "diff": 0.0, "layouts": {"fsdp2": "equal"}},
+           "t5": {"type": "t5", "class": "", "builds": None, "status": "refused", "reason": "no"}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    asked = []
+
+    def run_types(types, work, **kwargs):
+        asked.extend(types)
+        return {t: {**old[t], "layouts": {}, "checks": {"export": "equal", "lora": "refused: no layout",
+                                                        "generation": "differ: first at token 2 (5 vs 7)"}}
+                for t in types}
+
+    monkeypatch.setattr(matrix, "run_types", run_types)
+    monkeypatch.setattr(matrix, "_layout_chunk", lambda *a, **k: None)
+    out = tmp_path / "m.md"
+    assert main(["--types", "qwen2,t5", "--layouts", "fsdp2", "--resume", str(tmp_path / "old.json"),
+                 "--out", str(out), "--json", str(tmp_path / "new.json")]) == 0
+    assert asked == ["qwen2"]
+    rows = json.loads((tmp_path / "new.json").read_text())
+    assert rows["qwen2"]["layouts"] == {"fsdp2": "equal"} and rows["qwen2"]["checks"]["export"] == "equal"
+    text = out.read_text()
+    assert "| model_type | class | builds | one rank | loss diff | export | lora | generation | fsdp2 |" in text
+    assert ("| qwen2 | Qwen2ForCausalLM | yes | equal | 0.0e+00 | equal | refused: no layout | differ: first at "
+            "token 2 (5 vs 7) | equal |") in text
+    assert "| t5 |  |  | refused: no |  |  |  |  |  |" in text
+    assert "- lora: 0 equal, 1 refused, 0 differ, 0 error" in text and "Not yet recorded" not in text
+    said = capsys.readouterr().out
+    assert "  generation: 0 equal, 0 refused, 1 differ, 0 error" in said
+    assert "  generation: qwen2: differ: first at token 2 (5 vs 7)" in said
+    text = matrix.render({"qwen2": old["qwen2"]}, [], "c")
+    assert "| qwen2 | Qwen2ForCausalLM | yes | equal | 0.0e+00 | not run | not run | not run |" in text
+    assert "**No export, LoRA or generation cells for 1 equal types** (qwen2" in text

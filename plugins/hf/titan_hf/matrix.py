@@ -7,14 +7,17 @@
 Every ``model_type`` of transformers' causal-LM auto mapping is classified
 (``titan_hf.architecture``), given a tiny random folder (``titan_hf.matrix_folders``)
 and trained one step against transformers in fp32 (``titan_hf.matrix_runs``); the
-types equal on one rank then train 3 steps through ``titan-run`` on each of
-``--layouts`` (``titan_hf.matrix_layouts``: fsdp2, fsdp2_tp2, pp2, ep2, cp2), a chunk of
-types at a time, one launch per world size. Types run in worker processes with a
-per-type timeout, so a type that hangs or kills its interpreter costs its own row
-only. The table and ``--json`` are written after every chunk; ``--budget`` stops
-starting chunks after that many seconds and ``--resume`` takes the rows (and cells)
-a previous ``--json`` holds. The Markdown table names the transformers version, the
-date and the command; the summary counts go to stdout.
+types equal on one rank are also exported (full and LoRA) and decode greedily against
+transformers and peft (``titan_hf.matrix_checks``), then train 3 steps through
+``titan-run`` on each of ``--layouts`` (``titan_hf.matrix_layouts``: fsdp2, fsdp2_tp2,
+pp2, ep2, cp2), a chunk of types at a time, one launch per world size. Types run in
+worker processes with a per-type timeout, so a type that hangs or kills its
+interpreter costs its own row only. The table and ``--json`` are written after every
+chunk; ``--budget`` stops starting chunks after that many seconds and ``--resume``
+takes the rows (and cells) a previous ``--json`` holds (an equal row written before
+the export / LoRA / generation columns runs again for them, keeping its layout cells).
+The Markdown table names the transformers version, the date and the command; the
+summary counts go to stdout.
 """
 
 from __future__ import annotations
@@ -34,9 +37,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-__all__ = ["main", "render", "run_types", "summary"]
+__all__ = ["check_counts", "main", "render", "run_types", "summary"]
 
 _MARK = "@@titan-hf-matrix "
+#: the check columns of an equal type (``titan_hf.matrix_checks.CHECKS``, without importing torch)
+CHECKS = ("export", "lora", "generation")
 
 
 def _worker(types: list[str], work: str) -> int:
@@ -162,6 +167,11 @@ def summary(rows: dict[str, dict]) -> str:
     lines += [f"  refused x{n}: {why}" for why, n in refused.most_common()]
     for status in ("differ", "error", "untested"):
         lines += [f"  {status}: {r['type']}: {r['reason']}" for r in rows.values() if r["status"] == status]
+    lines += [f"  {line}" for line in check_counts(rows)]
+    for r in rows.values():
+        for check, cell in r.get("checks", {}).items():
+            if cell.startswith(("differ", "error")):
+                lines.append(f"  {check}: {r['type']}: {cell}")
     lines += [f"  {line}" for line in layout_counts(rows)]
     for r in rows.values():
         for layout, cell in r.get("layouts", {}).items():
@@ -178,6 +188,20 @@ def layout_counts(rows: dict[str, dict]) -> list[str]:
             cells.setdefault(layout, Counter())[re.split(r"[: ]", cell, maxsplit=1)[0]] += 1
     return [f"{layout}: {c['equal']} equal, {c['refused']} refused, {c['n/a']} n/a, {c['differ']} differ, "
             f"{c['error']} error" for layout, c in cells.items()]
+
+
+def check_counts(rows: dict[str, dict]) -> list[str]:
+    """``<check>: N equal, N refused, N differ, N error, N not run`` per check
+    (``titan_hf.matrix_checks``) over the types equal on one rank."""
+    equal = [r for r in rows.values() if r["status"] == "equal"]
+    if not equal:
+        return []
+    out = []
+    for check in CHECKS:
+        c = Counter(re.split(r"[: ]", r.get("checks", {}).get(check, "not run"), maxsplit=1)[0] for r in equal)
+        out.append(f"{check}: {c['equal']} equal, {c['refused']} refused, {c['differ']} differ, {c['error']} error"
+                   + (f", {c['not']} not run" if c["not"] else ""))
+    return out
 
 
 def _cell(text: Any) -> str:
@@ -214,8 +238,13 @@ def render(rows: dict[str, dict], layouts: list[str], command: str) -> str:
         if len(done) < len(equal):
             out += [f"**Multi-rank results for {len(done)} of the {len(equal)} equal types only** "
                     f"({', '.join(done) or 'none'}); the other equal types show `not run`.", ""]
-    out += ["Not yet recorded: LoRA adapter loads in peft, `--merge` / full export, greedy generation.", ""]
-    head = ["model_type", "class", "builds", "one rank", "loss diff", *layouts]
+    out += [CHECKS_NOTE, ""] + [f"- {line}" for line in check_counts(rows)] + [""]
+    unchecked = [t for t, r in rows.items() if r["status"] == "equal" and "checks" not in r]
+    if unchecked:
+        out += [f"**No export, LoRA or generation cells for {len(unchecked)} equal types** "
+                f"({', '.join(unchecked)}: rows taken from a `--json` written before these columns); "
+                "they show `not run`.", ""]
+    head = ["model_type", "class", "builds", "one rank", "loss diff", *CHECKS, *layouts]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows.values():
         status = r["status"] if not r["reason"] else f"{r['status']}: {r['reason']}"
@@ -226,10 +255,25 @@ def render(rows: dict[str, dict], layouts: list[str], command: str) -> str:
         builds = {True: "yes", False: "no", None: ""}[r.get("builds")]
         diff = f"{r['diff']:.1e}" if "diff" in r else ""
         missing = "not run" if r["status"] == "equal" else ""
-        cells = [r["type"], r["class"], builds, status, diff,
+        cells = [r["type"], r["class"], builds, status, diff, *(r.get("checks", {}).get(x, missing) for x in CHECKS),
                  *(r.get("layouts", {}).get(x, missing) for x in layouts)]
         out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(out) + "\n"
+
+
+CHECKS_NOTE = (
+    "Beyond training, for the types equal on one rank (`titan_hf/matrix_checks.py`, against transformers "
+    "and peft, fp32, one rank): **export**: every weight moved a little (normal, std 0.02), written by "
+    "`titan_plugins.hf.export_model`, loaded by `AutoModelForCausalLM.from_pretrained` with nothing missing, "
+    "unexpected or mismatched (tied weights are not missing), loss on the same batch within 1e-5. **lora**: "
+    "`peft=lora` (its default `all-linear`: every `nn.Linear` but the head; grouped experts are not), every B "
+    "random (std 0.1), exported as `checkpoint.export_hf=true` does (`export_lora_live`): peft's "
+    "`PeftModel.from_pretrained` on the folder's model and the merged folder (loaded as for export) give "
+    "our LoRA model's loss within 1e-5 (`refused`: no adapter folder, the export's one line). "
+    "**generation**: 8 greedy tokens from a fixed 6-token prompt through our KV cache "
+    "(`titan_plugins.generate.generate`) against transformers' `generate` (`do_sample=False`, EOS stopping "
+    "off): **equal** if every token id is the same, else the first that differs. **error** / **refused**: "
+    "the check's one line.")
 
 
 STEPS_NOTE = ("3 fp32 steps through `titan-run` (gloo ranks, the same global batch; `titan_hf/matrix_layouts.py`) "
@@ -295,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         old.update(json.loads(Path(path).read_text()))
     with tempfile.TemporaryDirectory(prefix="titan-hf-matrix-") as tmp:
         work = Path(args.work or tmp)
-        fresh = run_types([t for t in types if t not in old], work, timeout=args.timeout,
-                          jobs=max(1, args.jobs)) if any(t not in old for t in types) else {}
-        rows = {t: old[t] if t in old else fresh[t] for t in types}
+        todo = [t for t in types if t not in old or _unchecked(old[t])]
+        fresh = run_types(todo, work, timeout=args.timeout, jobs=max(1, args.jobs)) if todo else {}
+        rows = {t: _resumed(old.get(t), fresh[t]) if t in fresh else old[t] for t in types}
         _write(args, rows, layouts, command)
         todo = [t for t, r in rows.items() if r["status"] == "equal" and layouts
                 and any(x not in r.get("layouts", {}) for x in layouts)]
@@ -314,6 +358,20 @@ def main(argv: list[str] | None = None) -> int:
     print(summary(rows))
     print(f"titan-hf-matrix: wrote {args.out}")
     return 0
+
+
+def _unchecked(row: dict[str, Any]) -> bool:
+    """A resumed equal row without the export / LoRA / generation cells (an older --json):
+    its type runs again, so the cells are computed rather than left blank."""
+    return row["status"] == "equal" and "checks" not in row
+
+
+def _resumed(old: dict[str, Any] | None, fresh: dict[str, Any]) -> dict[str, Any]:
+    """``fresh`` (run again for its checks) keeping the layout cells ``old`` recorded,
+    where it is still equal on one rank (what those cells were measured against)."""
+    if old is not None and fresh["status"] == "equal" and old.get("layouts"):
+        return {**fresh, "layouts": {**old["layouts"], **fresh.get("layouts", {})}}
+    return fresh
 
 
 def _layout_chunk(rows: dict[str, dict], chunk: list[str], layouts: list[str], work: Path,

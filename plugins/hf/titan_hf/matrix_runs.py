@@ -5,6 +5,8 @@ jobs on gloo ranks for the layout columns (``titan_hf.matrix_layouts``).
 Every failure is caught and kept as one line: ``refused`` is a ``ConfigError`` (the
 plugin's own one-line refusal, before launch), ``error`` anything else (a crash),
 ``untested`` a type for which transformers itself cannot build or load a tiny folder.
+An equal type's row also holds the export, LoRA and generation cells
+(``titan_hf.matrix_checks``), each failing alone.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 
 def one_rank(model_type: str, work: str | Path) -> dict[str, Any]:
     """The one-rank row of ``model_type``: ``{"type", "class", "builds", "status",
-    "reason", "loss", "diff", "grad", "verify_stops"}``."""
+    "reason", "loss", "diff", "grad", "verify_stops"}``, and for an equal type ``"checks"``:
+    ``{"export", "lora", "generation"}`` cells (``titan_hf.matrix_checks``)."""
     from transformers import AutoConfig
 
     from titan_hf.architecture import check_architecture
@@ -102,10 +105,21 @@ def _one_rank(row: dict[str, Any], model_type: str, work: Path) -> dict[str, Any
     diff = abs(mine - ref)
     row.update(loss=[mine, ref], diff=diff, grad=[name, rel])
     if diff <= EQUAL_LOSS and rel <= EQUAL_GRAD and diff == diff:
-        return {**row, "status": "equal"}
+        return {**row, "status": "equal", "checks": _checks(ours, folder, work / "checks" / model_type)}
     stops = config.architecture not in TESTED and not (diff <= LOSS_TOL and rel <= GRAD_TOL)
     return {**row, "status": "differ", "verify_stops": stops,
             "reason": f"loss {mine:.6g} vs {ref:.6g}; worst gradient {name} ({rel:.1e})"}
+
+
+def _checks(ours: torch.nn.Module, folder: Path, work: Path) -> dict[str, str]:
+    """The export, LoRA and generation cells of an equal type (``titan_hf.matrix_checks``);
+    a check that cannot even start is an ``error`` cell each, never the row's failure."""
+    try:
+        from titan_hf.matrix_checks import run_checks
+
+        return run_checks(ours, folder, work)
+    except Exception as exc:  # noqa: BLE001 - one line per cell (the module itself may not import)
+        return dict.fromkeys(("export", "lora", "generation"), f"error: {one_line(exc)}")
 
 
 def launch_jobs(work: str | Path, *, world: int, alone: dict[str, Path] | None = None,
