@@ -19,7 +19,7 @@ from pathlib import Path
 
 from titan_plugins.data.chat_source import ASSETS
 
-__all__ = ["build", "main", "questions"]
+__all__ = ["build", "main", "questions", "task_files", "write_assets"]
 
 FILES = {"arithmetic.jsonl": 400, "arithmetic_sft.jsonl": 400}
 LIMIT = 30
@@ -35,23 +35,34 @@ def questions() -> list[tuple[str, int]]:
     return out
 
 
+def task_files(rl_name: str, sft_name: str, rl: list[tuple[str, object]],
+               sft: list[tuple[str, object]]) -> dict[str, list[dict]]:
+    """A verifiable task's two files: ``rl`` as prompt rows with their ``answer``, ``sft``
+    as answered conversations (the warm start). Shared by the shipped tasks."""
+    return {
+        rl_name: [{"prompt": [{"role": "user", "content": q}], "answer": str(a)} for q, a in rl],
+        sft_name: [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]}
+                   for q, a in sft],
+    }
+
+
+def write_assets(files: dict[str, list[dict]]) -> None:
+    for name, rows in files.items():
+        path = Path(ASSETS / name)
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        print(f"{path}: {len(rows)} rows")
+
+
 def build(seed: int = 0) -> dict[str, list[dict]]:
     """The RL prompts and the SFT conversations, disjoint questions of each kind."""
     pool = questions()
     random.Random(seed).shuffle(pool)
     rl, sft = pool[: FILES["arithmetic.jsonl"]], pool[FILES["arithmetic.jsonl"]:][: FILES["arithmetic_sft.jsonl"]]
-    return {
-        "arithmetic.jsonl": [{"prompt": [{"role": "user", "content": q}], "answer": str(a)} for q, a in rl],
-        "arithmetic_sft.jsonl": [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": str(a)}]}
-                                 for q, a in sft],
-    }
+    return task_files("arithmetic.jsonl", "arithmetic_sft.jsonl", rl, sft)
 
 
 def main() -> None:
-    for name, rows in build().items():
-        path = Path(ASSETS / name)
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        print(f"{path}: {len(rows)} rows")
+    write_assets(build())
 
 
 if __name__ == "__main__":
