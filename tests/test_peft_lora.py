@@ -94,6 +94,30 @@ def test_a_plugins_own_grouped_weights_are_refused_in_one_line():
     assert "\n" not in str(err.value)
 
 
+def test_a_linear_whose_forward_is_not_a_linear_map_is_left_out_or_refused():
+    """PhiMoE's router subclasses nn.Linear but returns (scores, picks): all-linear used to
+    wrap it and every rank crashed in its first forward ("'tuple' object has no attribute
+    'dtype'"). all-linear leaves it out; a pattern naming it is one line. A subclass that
+    computes a linear map of its own keeps its adapter."""
+    from titan_plugins.peft.targets import match_targets
+
+    class Router(torch.nn.Linear):
+        def forward(self, x):
+            scores = super().forward(x)
+            return scores, scores.topk(2, dim=-1).indices
+
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = torch.nn.ModuleDict({"router": Router(8, 4), "scaled": Scaled(8, 8), "proj": torch.nn.Linear(8, 8)})
+    assert match_targets(model, ["all-linear"]) == ["scaled", "proj"]
+    with pytest.raises(ConfigError, match=r"peft.target_modules=router: names router, an nn.Linear whose own "
+                                          r"forward returns a tuple, not the linear map") as err:
+        match_targets(model, ["router"])
+    assert "\n" not in str(err.value)
+
+
 def _loss_and_grads(model):
     """Loss of TOKENS (next token) and every adapter gradient, by module name."""
     logits = model(TOKENS[:, :-1])

@@ -71,12 +71,13 @@ def match_targets(model: nn.Module, patterns: Sequence[str], exclude: Sequence[s
         raise ConfigError("peft.target_modules=[]: name at least one module pattern (or all-linear)")
     modules = [(canonical_name(n), m) for n, m in model.named_modules() if n and m is not None]
     linears = [n for n, m in modules if isinstance(m, nn.Linear)]
+    not_maps = {n: why for n, m in modules if isinstance(m, nn.Linear) and (why := _not_a_linear_map(m))}
     experts = [f"{n}.{w}" for n, m in modules if isinstance(m, GroupedExperts) for w in EXPERT_WEIGHTS]
     uncalled = _uncalled(model)
     chosen: set[str] = set()
     for pattern in patterns:
         if pattern == ALL_LINEAR:
-            chosen |= {n for n in linears if n.split(".")[0] not in exclude and n not in uncalled}
+            chosen |= {n for n in linears if n.split(".")[0] not in exclude and n not in uncalled and n not in not_maps}
             continue
         _refuse_other_grouped(model, pattern)
         hits = [n for n in linears if matches(n, pattern)]
@@ -86,6 +87,12 @@ def match_targets(model: nn.Module, patterns: Sequence[str], exclude: Sequence[s
                 f"peft.target_modules={pattern}: names {_shape_name(named[0])}, whose weight its "
                 f"{uncalled[named[0]]} reads without calling it, so an adapter there would never "
                 "train; leave it out (all-linear does)"
+            )
+        odd = [n for n in hits if n in not_maps]
+        if odd:
+            raise ConfigError(
+                f"peft.target_modules={pattern}: names {_shape_name(odd[0])}, an nn.Linear whose own forward "
+                f"returns {not_maps[odd[0]]}, not the linear map an adapter adds to; leave it out (all-linear does)"
             )
         hits += [n for n in experts if matches(n, pattern) or matches(n.rpartition(".")[0], pattern)]
         if not hits:
@@ -101,6 +108,27 @@ def match_targets(model: nn.Module, patterns: Sequence[str], exclude: Sequence[s
     order = [n for name, m in modules if isinstance(m, (nn.Linear, GroupedExperts))
              for n in ([name] if isinstance(m, nn.Linear) else [f"{name}.{w}" for w in EXPERT_WEIGHTS])]
     return [n for n in order if n in chosen]
+
+
+def _not_a_linear_map(module: nn.Linear) -> str | None:
+    """What a subclass of ``nn.Linear`` with a forward of its own returns when that is not
+    one ``[..., out_features]`` tensor (PhiMoE's router: a tuple of scores and picks), so
+    a LoRA delta cannot be added to it; ``None`` for a linear map (or a forward that does
+    not run on one zero row, which is left to the model). One row, on the module's device:
+    nothing is computed on the meta device."""
+    if type(module).forward is nn.Linear.forward or hasattr(module, "lora_A"):
+        return None
+    import torch
+
+    weight = module.weight
+    try:
+        with torch.no_grad():
+            out = module(torch.zeros(1, module.in_features, device=weight.device, dtype=weight.dtype))
+    except Exception:  # noqa: BLE001 - not ours to judge: the model's own forward decides
+        return None
+    if isinstance(out, torch.Tensor):
+        return None if out.shape[-1] == module.out_features else f"a tensor of shape {tuple(out.shape)}"
+    return f"a {type(out).__name__}"
 
 
 def _uncalled(model: nn.Module) -> dict[str, str]:
