@@ -118,6 +118,27 @@ def test_a_linear_whose_forward_is_not_a_linear_map_is_left_out_or_refused():
     assert "\n" not in str(err.value)
 
 
+def test_an_adapter_peft_would_misread_is_refused_for_export():
+    """peft reads a DeepSeek-V3 (GLM-4-MoE, ...) adapter as transformers 5's fused experts:
+    every target ending in gate_proj/up_proj/down_proj becomes an expert weight, so a dense
+    layer's MLP and the shared experts lose their adapters in peft without a word (the
+    matrix's LoRA column measured peft's loss 7.9e-3 off ours). The export says so in one
+    line; experts alone, and families peft does not rename, pass."""
+    pytest.importorskip("peft.utils.transformers_weight_conversion")
+    from titan_plugins.peft.folder import check_peft_reads_back
+
+    experts = ["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj"]
+    dense = ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.up_proj"]
+    check_peft_reads_back("deepseek_v3", ["model.layers.0.self_attn.q_proj", *experts])
+    check_peft_reads_back("llama", dense)
+    check_peft_reads_back(None, dense)
+    with pytest.raises(ConfigError, match=r"reads a deepseek_v3 adapter as transformers 5's fused experts and would "
+                                          r"drop model.layers.0.mlp.gate_proj \(and 1 more\) without a word; export "
+                                          r"with --merge") as err:
+        check_peft_reads_back("deepseek_v3", [*experts, *dense])
+    assert "\n" not in str(err.value)
+
+
 def _loss_and_grads(model):
     """Loss of TOKENS (next token) and every adapter gradient, by module name."""
     logits = model(TOKENS[:, :-1])

@@ -31,7 +31,13 @@ from titan_plugins.export.hf_folder import write_hf_folder
 from titan_plugins.export.out_dir import claim_out_dir, write_export
 from titan_plugins.export.source import find_checkpoint, read_dcp_model
 from titan_plugins.peft.checkpoint import adapter_shapes, checkpoint_filter
-from titan_plugins.peft.folder import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_expert_layout, to_peft
+from titan_plugins.peft.folder import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    check_expert_layout,
+    check_peft_reads_back,
+    to_peft,
+)
 from titan_plugins.peft.lora import is_adapter_key, lora_enabled, merge_into
 from titan_plugins.peft.qlora import qlora_enabled, round_trip_base
 
@@ -84,6 +90,7 @@ def _write_adapter(folder: Path, spec: ModelSpec, config: object, job: DictConfi
     from safetensors.torch import save_file
 
     tensors, modules = to_peft(spec, config, adapters, adapter_shapes(spec, job), job.model.get("hf"))
+    check_peft_reads_back(_folder_model_type(job), modules)
     peft = job.peft
     meta = {
         "peft_type": "LORA",
@@ -103,6 +110,15 @@ def _write_adapter(folder: Path, spec: ModelSpec, config: object, job: DictConfi
     (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
+
+
+def _folder_model_type(job: DictConfig) -> str | None:
+    """The ``model_type`` of the run's Hugging Face folder (``model.hf``), if it has one."""
+    folder = job.model.get("hf")
+    path = Path(folder) / "config.json" if folder else None
+    if path is None or not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("model_type")
 
 
 def export_adapter(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -173,8 +189,10 @@ def export_lora_live(spec: ModelSpec, config: object, job: DictConfig, state_dic
     merged = merge_into(state_dict, adapters, float(job.peft.alpha) / int(job.peft.rank))
     protect = {"the run directory": run_dir}
     written: list[Path] = []
-    try:  # adapted experts without a PEFT layout: the merged folder alone, and why
+    try:  # adapted experts without a PEFT layout, or one peft misreads: the merged folder alone, and why
         check_expert_layout(spec, config, adapter_shapes(spec, job), job.model.get("hf"))
+        _, modules = to_peft(spec, config, adapters, adapter_shapes(spec, job), job.model.get("hf"))
+        check_peft_reads_back(_folder_model_type(job), modules)
         no_adapter = None
     except ConfigError as exc:
         no_adapter = str(exc)

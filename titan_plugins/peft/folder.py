@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "Pair", "adapter_pairs", "check_expert_layout",
-           "check_stored", "read_adapter_config", "read_peft_adapter", "stored_shapes", "to_peft"]
+           "check_peft_reads_back", "check_stored", "read_adapter_config", "read_peft_adapter", "stored_shapes", "to_peft"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -75,6 +75,36 @@ def check_expert_layout(spec: ModelSpec, config: object, shapes: Shapes, hf_fold
     adapter = state_dict_adapter(spec, config, hf_folder)
     for module, shape in experts.items():
         expert_hf_targets(adapter, expert_weight_key(module), shape)
+
+
+def check_peft_reads_back(model_type: str | None, modules: list[str]) -> None:
+    """Raise a one-line ``ConfigError`` where the installed peft would read the adapter of
+    a ``model_type`` folder wrongly: for the MoE families transformers 5 fuses (its
+    checkpoint conversion mapping, e.g. DeepSeek-V2/V3, GLM-4-MoE, ERNIE-4.5-MoE), peft
+    takes every target ending in an expert projection's name (``gate_proj``, ``up_proj``,
+    ``down_proj``) for the fused expert weights, so the adapters of a dense layer's MLP or
+    of shared experts would be dropped without a word (their trained deltas lost)."""
+    try:  # peft's own tables of what it renames (private: absent from other versions)
+        import peft
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_FUSED_TARGETS,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:
+        return
+    family = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
+    if family is None or not _MOE_FUSED_TARGETS.get(family):
+        return
+    # the names peft maps onto the experts' fused parameters (not the router's "gate.weight")
+    renamed = [old for old, new in _MOE_TARGET_MODULE_MAPPING.get(family, {}).items() if "." not in new]
+    dropped = [m for m in modules if m.rpartition(".")[2] in renamed and ".experts." not in f".{m}"]
+    if dropped:
+        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
+        raise ConfigError(
+            f"peft.target_modules: peft {peft.__version__} reads a {model_type} adapter as transformers 5's fused "
+            f"experts and would drop {dropped[0]}{more} without a word; export with --merge, or leave "
+            f"{'/'.join(renamed)} outside the experts out of peft.target_modules")
 
 
 def _refuse_half_gate_up(shapes: Shapes) -> None:
