@@ -198,3 +198,27 @@ def test_context_parallel_refuses_an_attention_that_builds_its_own_mask():
         check_cp(doge, 2)
     _one_line(info)
     check_cp(llama, 2)
+
+
+def test_kv_cache_reaches_layers_that_call_it_layer_past(tmp_path):
+    """GPT-NeoX and Falcon layers take the cache as ``layer_past``: handed ``cache=`` they
+    dropped it into **kwargs and each decoded token attended to itself only (greedy
+    generation differed from transformers from the second token). A decoded step now
+    equals the whole sequence's logits."""
+    import torch
+    from titan_hf.matrix_folders import tiny_folder
+
+    from titan_plugins.components.kv_cache import KVCache
+    from titan_plugins.hf import load_hf_model
+
+    model = load_hf_model("hf", tiny_folder("gpt_neox", tmp_path / "gpt_neox"),
+                          overrides=["data=synthetic", "data.vocab_size=256"]).float()
+    assert model.cache_keyword == "layer_past"
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = model(ids)
+        cache = KVCache()
+        model(ids[:, :5], cache=cache)
+        cache.advance(5)
+        step = model(ids[:, 5:], cache=cache)
+    torch.testing.assert_close(step[0, -1], whole[0, 5], rtol=0, atol=1e-4)

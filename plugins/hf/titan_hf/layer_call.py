@@ -16,7 +16,7 @@ from torch import nn
 
 from titan_plugins.errors import ConfigError
 
-__all__ = ["MADE", "check_layer_call", "makes_sliding_masks"]
+__all__ = ["MADE", "cache_keyword", "check_layer_call", "makes_sliding_masks"]
 
 #: keyword arguments the wrapper gives every layer, or that only serve caching / outputs
 MADE = frozenset({"attention_mask", "position_embeddings", "position_ids", "cache", "use_cache", "layer_past",
@@ -49,6 +49,22 @@ def check_layer_call(base: nn.Module) -> None:
         raise ConfigError(f"model=hf: {cls.__name__}.forward hands its decoder layers {', '.join(extra)}, "
                           "which model=hf does not make (it makes attention masks, positions and rotary "
                           "embeddings): its forward cannot be driven layer by layer")
+
+
+_CACHE_KEYWORDS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+def cache_keyword(base: nn.Module) -> str | None:
+    """The keyword ``type(base).forward`` hands its layers the KV cache with (``cache``
+    in transformers 5; GPT-NeoX and Falcon say ``layer_past``, and a layer given the cache
+    under another name drops it into ``**kwargs``: decoding then attends to the new token
+    only). ``None`` when its layers take no cache; ``"cache"`` when the source cannot be read."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(type(base).forward)))
+    except (OSError, TypeError):
+        return "cache"
+    passed = {k.arg for call in _layer_calls(source) for k in call.keywords}
+    return next((name for name in _CACHE_KEYWORDS if name in passed), None)
 
 
 def makes_sliding_masks(base: nn.Module) -> bool:

@@ -26,7 +26,7 @@ from titan_hf.config import AttnImpl, HFModelConfig, hf_dict
 from titan_hf.context_parallel import sharded_positions_and_masks
 from titan_hf.embed import embed_work
 from titan_hf.head import post_head, pre_head
-from titan_hf.layer_call import check_layer_call, makes_sliding_masks
+from titan_hf.layer_call import cache_keyword, check_layer_call, makes_sliding_masks
 from titan_hf.structure import find_structure
 from titan_plugins.components.attention_masks import AttentionMask, document_ids
 from titan_plugins.components.cp_attention import current_shard
@@ -93,6 +93,7 @@ class HFCausalLM(nn.Module):
         self.titan_fused_loss = self.post_head is None
         self.pre_head = pre_head(shell, parts.head)  # ... and before it (MiniCPM3's logits_scaling)
         check_layer_call(shell.get_submodule(parts.base))  # layers taking more than masks, positions, rotary: one line
+        self.cache_keyword = cache_keyword(shell.get_submodule(parts.base))  # how its layers take the KV cache
         # ... and what its base model's forward does to the embeddings before the layers
         self.embed_work = embed_work(shell.get_submodule(parts.base))
         # packed rows: positions restart per document, which transformers' mask builders
@@ -136,6 +137,23 @@ class HFCausalLM(nn.Module):
             hf_cache = cache._titan_hf_cache = DynamicCache(config=self.hf_config)
         return hf_cache
 
+    def _check_decoding(self) -> None:
+        """Once per model, at the first forward with a KV cache: one line where cached
+        decoding cannot equal recomputing the whole sequence."""
+        if getattr(self, "_decoding_checked", False):
+            return
+        arch = self.config.architecture
+        if self.cache_keyword is None:
+            raise ConfigError(f"model=hf: {arch}'s base model hands its decoder layers no KV cache, so decoding "
+                              "with one would attend to the new token only")
+        from titan_hf.context_parallel import attention_building_its_own_mask
+
+        own = attention_building_its_own_mask(self.hf_config)
+        if own:  # Doge: its dynamic mask, made from the keys it holds, differs with a cache (measured)
+            raise ConfigError(f"model=hf: {arch}'s {own} builds its own attention mask from its keys; decoding "
+                              "with a KV cache does not reproduce the whole sequence's logits for it")
+        self._decoding_checked = True
+
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
         if self._rope_per_kind:
             return {kind: self.rotary_emb(like, positions, kind) for kind in set(self.layer_kinds)}
@@ -172,7 +190,9 @@ class HFCausalLM(nn.Module):
                 positions = document_positions(document_ids(tokens, self.eos_id))
             masks = self._masks(like, positions, hf_cache)
         rope = self._rope(like, positions)
-        extra = {} if hf_cache is None else {"cache": hf_cache, "use_cache": True}
+        if hf_cache is not None:
+            self._check_decoding()
+        extra = {} if hf_cache is None else {self.cache_keyword: hf_cache, "use_cache": True}
         for key, layer in self.layers.items():
             kind = self.layer_kinds[int(key)]
             out = layer(h, attention_mask=masks[kind], position_embeddings=rope[kind], position_ids=positions,
