@@ -9,27 +9,9 @@
 # Threads: OMP_NUM_THREADS (default 2, the 2-core machine the README's numbers come from).
 set -euo pipefail
 
-OUT=runs/grpo_reverse
-LORA=0
-for arg in "$@"; do
-    case "$arg" in
-        --lora) LORA=1 ;;
-        -h|--help) sed -n 2,9p "$0"; exit 0 ;;
-        *) OUT="$arg" ;;
-    esac
-done
-HERE="$(cd "$(dirname "$0")" && pwd)"
-ROOT="$(cd "$HERE/../.." && pwd)"
-PY="${PYTHON:-$ROOT/.venv/bin/python}"
-RUN="${TITAN_RUN:-$ROOT/.venv/bin/titan-run}"
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"
-mkdir -p "$OUT"
-OUT="$(cd "$OUT" && pwd)"
-ASSETS="$("$PY" -c 'from titan_plugins.data.chat_source import ASSETS; print(ASSETS)')"
-
-# A tiny Qwen3 (4 layers, dim 128, ~1M parameters besides the 2048-token embedding).
-MODEL=(model=qwen3 model.dim=128 model.n_layers=4 model.n_heads=4 model.n_kv_heads=2
-       model.head_dim=32 model.hidden_dim=512)
+DEFAULT_OUT=runs/grpo_reverse
+# shellcheck source=../grpo_common.sh
+source "$(dirname "$0")/../grpo_common.sh"  # OUT, LORA, PY, RUN, ASSETS, MODEL
 SFT_SCHEDULE=200  # the SFT's lr schedule (warmup 10, cosine over 200 steps) ...
 SFT_STEPS=${SFT_STEPS:-105}     # ... and its checkpoint GRPO starts from: deliberately undertrained
 
@@ -52,25 +34,4 @@ GRPO=(objective=grpo data=prompts data.path="$ASSETS/reverse.jsonl"
       checkpoint.init_from="$OUT/sft/checkpoints/step-$SFT_STEPS"
       objective.num_generations=8 objective.max_completion_length=8 training.seq_len=40
       training.local_batch_size=16 training.steps=60 training.warmup_steps=0)
-if [ "$LORA" = 1 ]; then
-    NAME=grpo_lora; EXTRA=(peft=lora training.lr=5e-3)
-else
-    NAME=grpo; EXTRA=(training.lr=1e-3)
-fi
-rm -rf "${OUT:?}/$NAME"
-SECONDS=0
-"$RUN" "${MODEL[@]}" "${GRPO[@]}" "${EXTRA[@]}" hydra.run.dir="$OUT/$NAME"
-echo "$NAME wall: ${SECONDS}s"
-
-# 3. The curve.
-"$PY" - "$OUT/$NAME/metrics.jsonl" <<'PYEOF'
-import json, sys
-print("| step | reward | reward_std | length | frac_reward_zero_std | step_time_s |")
-print("|---|---|---|---|---|---|")
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if "reward" not in r:
-        continue
-    print(f"| {r['step']} | {r['reward']:.3f} | {r['reward_std']:.3f} | {r['completions/mean_length']:.2f} "
-          f"| {r.get('frac_reward_zero_std', float('nan')):.2f} | {r.get('step_time_s', float('nan')):.1f} |")
-PYEOF
+grpo_stage 1e-3 5e-3 "${GRPO[@]}"  # then its curve
