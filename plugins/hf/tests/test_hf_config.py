@@ -222,3 +222,24 @@ def test_kv_cache_reaches_layers_that_call_it_layer_past(tmp_path):
         cache.advance(5)
         step = model(ids[:, 5:], cache=cache)
     torch.testing.assert_close(step[0, -1], whole[0, 5], rtol=0, atol=1e-4)
+
+
+def test_kv_cache_decoding_is_refused_where_the_attention_builds_its_own_mask(tmp_path):
+    """Doge's attention makes its mask from the keys it holds: with a cache its logits moved
+    1.2 away from the whole sequence's, so generation (and GRPO rollouts) would sample from
+    the wrong distribution. The first cached forward is one line instead; without a cache
+    the model runs as before."""
+    import torch
+    from titan_hf.matrix_folders import tiny_folder
+
+    from titan_plugins.components.kv_cache import KVCache
+    from titan_plugins.hf import load_hf_model
+
+    model = load_hf_model("hf", tiny_folder("doge", tmp_path / "doge"), overrides=["data=synthetic", "data.vocab_size=256"])
+    ids = torch.randint(3, 200, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(ids)
+        with pytest.raises(ConfigError, match=r"DogeForCausalLM's DogeAttention builds its own attention mask from "
+                                              r"its keys; decoding with a KV cache") as info:
+            model(ids, cache=KVCache())
+    _one_line(info)
