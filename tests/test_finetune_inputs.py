@@ -31,7 +31,7 @@ LORA = ["peft=lora", "peft.target_modules=[wq,wv]"]
 
 def _write_adapter(folder: Path, overrides: list[str]) -> dict[str, torch.Tensor]:
     """A PEFT folder of random adapters for the model of ``overrides``, as --adapter writes it."""
-    from titan_plugins.export.lora import _write_adapter as write
+    from titan_plugins.export.lora import write_peft_adapter as write
     from titan_plugins.peft.checkpoint import adapter_shapes
 
     spec, job, _ = prepare_job(overrides, get_plugin_manager())

@@ -125,7 +125,7 @@ def test_an_adapter_peft_would_misread_is_refused_for_export():
     matrix's LoRA column measured peft's loss 7.9e-3 off ours). The export says so in one
     line; experts alone, and families peft does not rename, pass."""
     pytest.importorskip("peft.utils.transformers_weight_conversion")
-    from titan_plugins.peft.folder import check_peft_reads_back
+    from titan_plugins.peft.readback import check_peft_reads_back
 
     experts = ["model.layers.1.mlp.experts.0.gate_proj", "model.layers.1.mlp.experts.0.down_proj"]
     dense = ["model.layers.0.mlp.gate_proj", "model.layers.1.mlp.shared_experts.up_proj"]

@@ -65,3 +65,7 @@ class HFStateDictAdapter(StateDictAdapter, Protocol):
     def to_hf(self, state_dict: StateDict) -> StateDict: ...
 
     def from_hf(self, hf_state_dict: StateDict) -> StateDict: ...
+
+    # Optional: ``to_hf_modules(state_dict)``, our names -> the module names of the model
+    # transformers' ``from_pretrained`` builds, where they differ from the checkpoint's
+    # (renames and fusions applied at load). PEFT adapters use these (``peft/mapping.py``).

@@ -19,6 +19,7 @@ the same writer as a full export (``hf_folder.write_hf_folder``).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,11 +36,11 @@ from titan_plugins.peft.folder import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     check_expert_layout,
-    check_peft_reads_back,
     to_peft,
 )
 from titan_plugins.peft.lora import is_adapter_key, lora_enabled, merge_into
 from titan_plugins.peft.qlora import qlora_enabled, round_trip_base
+from titan_plugins.peft.readback import choose_peft_layout
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -85,14 +86,19 @@ def _run(path: str | Path) -> tuple[Path, Path, DictConfig, ModelSpec, object]:
     return run_dir, checkpoint, job, spec, model_config(job.model, spec)
 
 
-def _write_adapter(folder: Path, spec: ModelSpec, config: object, job: DictConfig, adapters: StateDict) -> None:
-    """adapter_config.json and adapter_model.safetensors of ``adapters`` into ``folder``."""
+def _write_adapter(folder: Path, job: DictConfig, layout: tuple[StateDict, list[str]]) -> None:
+    """adapter_config.json and adapter_model.safetensors of ``layout`` (``peft_layout``) into ``folder``."""
     from safetensors.torch import save_file
 
-    tensors, modules = to_peft(spec, config, adapters, adapter_shapes(spec, job), job.model.get("hf"))
-    check_peft_reads_back(_folder_model_type(job), modules)
+    tensors, modules = layout
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(_adapter_config(job, modules), indent=2) + "\n")
+    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
+
+
+def _adapter_config(job: DictConfig, modules: list[str]) -> dict:
     peft = job.peft
-    meta = {
+    return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
         "base_model_name_or_path": job.model.get("hf"),
@@ -107,18 +113,31 @@ def _write_adapter(folder: Path, spec: ModelSpec, config: object, job: DictConfi
         "inference_mode": True,
         "modules_to_save": None,
     }
-    (folder / ADAPTER_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-    save_file({k: v.float().contiguous() for k, v in tensors.items()}, str(folder / ADAPTER_WEIGHTS),
-              metadata={"format": "pt"})
 
 
-def _folder_model_type(job: DictConfig) -> str | None:
-    """The ``model_type`` of the run's Hugging Face folder (``model.hf``), if it has one."""
-    folder = job.model.get("hf")
-    path = Path(folder) / "config.json" if folder else None
-    if path is None or not path.is_file():
-        return None
-    return json.loads(path.read_text()).get("model_type")
+_CHOSEN_KEYS: dict[tuple, str] = {}  # what peft read back depends on names and shapes only
+
+
+def peft_layout(spec: ModelSpec, config: object, job: DictConfig, adapters: StateDict
+                ) -> tuple[StateDict, list[str]]:
+    """``(tensors, target modules)`` of the PEFT folder: the layout peft reads back onto
+    transformers' model of the run's folder (``peft/readback.py``), or one line why none.
+    Decided once per folder and adapter shapes (vLLM's pushes write it every step)."""
+    shapes, folder = adapter_shapes(spec, job), job.model.get("hf")
+    memo = (spec.name, folder, tuple(sorted(shapes.items())), int(job.peft.rank))
+    if memo in _CHOSEN_KEYS:
+        return to_peft(spec, config, adapters, shapes, folder, keys=_CHOSEN_KEYS[memo])
+    layouts = {keys: functools.partial(to_peft, spec, config, adapters, shapes, folder, keys=keys)
+               for keys in ("loaded", "checkpoint")}
+    chosen, layout = choose_peft_layout(folder, layouts, lambda modules: _adapter_config(job, modules),
+                                        trust_remote_code=bool(job.model.get("trust_remote_code", False)))
+    _CHOSEN_KEYS[memo] = chosen
+    return layout
+
+
+def write_peft_adapter(folder: Path, spec: ModelSpec, config: object, job: DictConfig, adapters: StateDict) -> None:
+    """``adapters`` (ours) as a PEFT folder in ``folder`` (the one writer: exports, vLLM's pushes)."""
+    _write_adapter(folder, job, peft_layout(spec, config, job, adapters))
 
 
 def export_adapter(path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
@@ -126,7 +145,8 @@ def export_adapter(path: str | Path, out: str | Path, *, overwrite: bool = False
     run_dir, checkpoint, job, spec, config = _run(path)
     target = claim_out_dir(out, "peft-adapter", overwrite=overwrite, protect={"the run directory": run_dir})
     adapters = {k: v for k, v in read_dcp_model(checkpoint).items() if is_adapter_key(k)}
-    return write_export(target, "peft-adapter", lambda tmp: _write_adapter(tmp, spec, config, job, adapters))
+    layout = peft_layout(spec, config, job, adapters)
+    return write_export(target, "peft-adapter", lambda tmp: _write_adapter(tmp, job, layout))
 
 
 def base_state_dict(job: DictConfig, spec: ModelSpec, config: object, checkpoint_sd: StateDict) -> StateDict:
@@ -191,11 +211,10 @@ def export_lora_live(spec: ModelSpec, config: object, job: DictConfig, state_dic
     written: list[Path] = []
     try:  # adapted experts without a PEFT layout, or one peft misreads: the merged folder alone, and why
         check_expert_layout(spec, config, adapter_shapes(spec, job), job.model.get("hf"))
-        _, modules = to_peft(spec, config, adapters, adapter_shapes(spec, job), job.model.get("hf"))
-        check_peft_reads_back(_folder_model_type(job), modules)
+        layout = peft_layout(spec, config, job, adapters)
         no_adapter = None
     except ConfigError as exc:
-        no_adapter = str(exc)
+        layout, no_adapter = None, str(exc)
     for folder, kind in export_hf_folders(job, out):
         if kind == "peft-adapter" and no_adapter is not None:
             print(f"checkpoint.export_hf=true: no {folder}: {no_adapter}", flush=True)
@@ -204,5 +223,5 @@ def export_lora_live(spec: ModelSpec, config: object, job: DictConfig, state_dic
         if kind == "merged":
             written.append(write_export(target, kind, lambda tmp: write_hf_folder(tmp, spec, config, job, merged)))
         else:
-            written.append(write_export(target, kind, lambda tmp: _write_adapter(tmp, spec, config, job, adapters)))
+            written.append(write_export(target, kind, lambda tmp: _write_adapter(tmp, job, layout)))
     return written[0]

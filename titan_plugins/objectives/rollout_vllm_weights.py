@@ -152,8 +152,8 @@ def pusher_for_run(run: JobView, bucket_mb: int, lora: bool) -> WeightPusher:
         return WeightPusher(to_hf, bucket_mb)
 
     def write_adapter(folder: Path, adapters: dict[str, Any]) -> None:
-        from titan_plugins.export.lora import _write_adapter  # the one PEFT folder writer
+        from titan_plugins.export.lora import write_peft_adapter  # the one PEFT folder writer
 
-        _write_adapter(folder, spec, config, job, adapters)
+        write_peft_adapter(folder, spec, config, job, adapters)
 
     return WeightPusher(to_hf, bucket_mb, Path(run.run_dir) / "vllm-lora" / f"rank{run.rank}", write_adapter)

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from titan_plugins.spec import ModelSpec
 
 __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "PEFT_PREFIX", "Pair", "adapter_pairs", "check_expert_layout",
-           "check_peft_reads_back", "check_stored", "read_adapter_config", "read_peft_adapter", "stored_shapes", "to_peft"]
+           "check_stored", "read_adapter_config", "read_peft_adapter", "stored_shapes", "to_peft"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,8 +42,11 @@ Shapes = dict[str, tuple[int, ...]]  # adapted module -> (out, in); grouped expe
 
 
 def to_peft(spec: ModelSpec, config: object, adapters: dict[str, torch.Tensor], shapes: Shapes,
-            hf_folder: str | None = None) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """Our adapter tensors as PEFT's file keys, and the Hugging Face module names."""
+            hf_folder: str | None = None, *, keys: str = "loaded") -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Our adapter tensors as PEFT's file keys, and the Hugging Face module names
+    (``target_modules``: the loaded model's). ``keys="checkpoint"`` names the tensors as
+    the checkpoint names the modules, where each is one module both ways (peft renames
+    a file's keys through transformers' checkpoint conversion for some families)."""
     _refuse_half_gate_up(shapes)
     adapter = state_dict_adapter(spec, config, hf_folder)
     tensors: dict[str, torch.Tensor] = {}
@@ -58,9 +61,17 @@ def to_peft(spec: ModelSpec, config: object, adapters: dict[str, torch.Tensor], 
                 tensors[f"{PEFT_PREFIX}{t.module}.lora_B.weight"] = b[t.expert][t.rows].contiguous()
                 modules.append(t.module)
             continue
-        for target in hf_targets(adapter, module, shape):
-            tensors[f"{PEFT_PREFIX}{target.module}.lora_A.weight"] = a[:, target.cols].contiguous()
-            tensors[f"{PEFT_PREFIX}{target.module}.lora_B.weight"] = b[target.rows].contiguous()
+        targets = hf_targets(adapter, module, shape)
+        names = [t.module for t in targets]
+        if keys == "checkpoint":
+            stored = hf_targets(adapter, module, shape, loaded=False)
+            if len(stored) != len(targets):
+                raise ConfigError(f"peft.target_modules: {module} is {len(targets)} module(s) in transformers' "
+                                  f"model and {len(stored)} in the checkpoint")
+            names = [t.module for t in stored]
+        for target, name in zip(targets, names, strict=True):
+            tensors[f"{PEFT_PREFIX}{name}.lora_A.weight"] = a[:, target.cols].contiguous()
+            tensors[f"{PEFT_PREFIX}{name}.lora_B.weight"] = b[target.rows].contiguous()
             modules.append(target.module)
     return tensors, modules
 
@@ -75,36 +86,6 @@ def check_expert_layout(spec: ModelSpec, config: object, shapes: Shapes, hf_fold
     adapter = state_dict_adapter(spec, config, hf_folder)
     for module, shape in experts.items():
         expert_hf_targets(adapter, expert_weight_key(module), shape)
-
-
-def check_peft_reads_back(model_type: str | None, modules: list[str]) -> None:
-    """Raise a one-line ``ConfigError`` where the installed peft would read the adapter of
-    a ``model_type`` folder wrongly: for the MoE families transformers 5 fuses (its
-    checkpoint conversion mapping, e.g. DeepSeek-V2/V3, GLM-4-MoE, ERNIE-4.5-MoE), peft
-    takes every target ending in an expert projection's name (``gate_proj``, ``up_proj``,
-    ``down_proj``) for the fused expert weights, so the adapters of a dense layer's MLP or
-    of shared experts would be dropped without a word (their trained deltas lost)."""
-    try:  # peft's own tables of what it renames (private: absent from other versions)
-        import peft
-        from peft.utils.transformers_weight_conversion import (
-            _MODEL_TO_CONVERSION_PATTERN,
-            _MOE_FUSED_TARGETS,
-            _MOE_TARGET_MODULE_MAPPING,
-        )
-    except ImportError:
-        return
-    family = _MODEL_TO_CONVERSION_PATTERN.get(model_type)
-    if family is None or not _MOE_FUSED_TARGETS.get(family):
-        return
-    # the names peft maps onto the experts' fused parameters (not the router's "gate.weight")
-    renamed = [old for old, new in _MOE_TARGET_MODULE_MAPPING.get(family, {}).items() if "." not in new]
-    dropped = [m for m in modules if m.rpartition(".")[2] in renamed and ".experts." not in f".{m}"]
-    if dropped:
-        more = f" (and {len(dropped) - 1} more)" if len(dropped) > 1 else ""
-        raise ConfigError(
-            f"peft.target_modules: peft {peft.__version__} reads a {model_type} adapter as transformers 5's fused "
-            f"experts and would drop {dropped[0]}{more} without a word; export with --merge, or leave "
-            f"{'/'.join(renamed)} outside the experts out of peft.target_modules")
 
 
 def _refuse_half_gate_up(shapes: Shapes) -> None:
@@ -138,8 +119,11 @@ class Pair:
         return (rank, len(self.cols)), (len(self.rows), rank)
 
 
-def adapter_pairs(spec: ModelSpec, config: object, shapes: Shapes, hf_folder: str | None = None) -> list[Pair]:
-    """Every pair of file keys the run's adapted modules (``shapes``) read."""
+def adapter_pairs(spec: ModelSpec, config: object, shapes: Shapes, hf_folder: str | None = None,
+                  stored: dict[str, tuple[int, ...]] | None = None) -> list[Pair]:
+    """Every pair of file keys the run's adapted modules (``shapes``) read: named as the
+    loaded model names its modules (what peft saves), or, where ``stored`` (the file's
+    names) holds a module under its checkpoint name instead, under that one."""
     adapter = state_dict_adapter(spec, config, hf_folder)
     out = []
     for module, shape in shapes.items():
@@ -147,7 +131,10 @@ def adapter_pairs(spec: ModelSpec, config: object, shapes: Shapes, hf_folder: st
             targets = [(t.module, t.expert, t.rows, t.cols)
                        for t in expert_hf_targets(adapter, expert_weight_key(module), shape)]
         else:
-            targets = [(t.module, None, t.rows, t.cols) for t in hf_targets(adapter, module, shape)]
+            found = hf_targets(adapter, module, shape)
+            if stored is not None and f"{PEFT_PREFIX}{found[0].module}.lora_A.weight" not in stored:
+                found = hf_targets(adapter, module, shape, loaded=False)
+            targets = [(t.module, None, t.rows, t.cols) for t in found]
         for name, expert, rows, cols in targets:
             out.append(Pair(module, f"{PEFT_PREFIX}{name}.lora_A.weight", f"{PEFT_PREFIX}{name}.lora_B.weight",
                             expert, rows, cols))
@@ -226,7 +213,7 @@ def read_peft_adapter(spec: ModelSpec, config: object, peft: DictConfig, folder:
     read_adapter_config(folder, peft)
     stored_names = stored_shapes(folder)
     rank = int(peft.rank)
-    pairs = adapter_pairs(spec, config, shapes, hf_folder)
+    pairs = adapter_pairs(spec, config, shapes, hf_folder, stored_names)
     check_stored(folder, stored_names, pairs, rank)
     stored = load_file(str(Path(folder) / ADAPTER_WEIGHTS))
     out: dict[str, torch.Tensor] = {}

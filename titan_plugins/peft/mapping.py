@@ -1,5 +1,9 @@
 """Our adapted modules under their Hugging Face names, from the plugin's own
-state-dict adapter (``to_hf``): nothing per plugin.
+state-dict adapter (``to_hf``): nothing per plugin. peft adapts the modules of the model
+transformers builds, so a linear is named as that model names it: the adapter's
+``to_hf_modules`` where it has one (``model=hf``: a folder may store
+``attention.query_key_value`` that transformers 5 loads as ``self_attn.qkv_proj``),
+else ``to_hf`` (the first-party plugins, whose checkpoint names are the loaded ones).
 
 For a module ``M`` with base weight ``M.weight`` of shape ``[out, in]``, ``to_hf`` is
 probed twice with index tensors (``R[i, j] = i``, ``C[i, j] = j``). Each Hugging Face
@@ -60,13 +64,16 @@ def state_dict_adapter(spec: ModelSpec, config: ModelConfig, folder: str | None 
     return adapter_cls(config, hf_assets_path=folder) if takes_folder and folder else adapter_cls(config)
 
 
-def hf_targets(adapter: HFStateDictAdapter, module: str, shape: tuple[int, int]) -> list[HFTarget]:
-    """The Hugging Face modules that hold our ``module``'s weight, and how."""
+def hf_targets(adapter: HFStateDictAdapter, module: str, shape: tuple[int, int], *,
+               loaded: bool = True) -> list[HFTarget]:
+    """The Hugging Face modules that hold our ``module``'s weight, and how: named as the
+    loaded model names them (``loaded``), else as the checkpoint does."""
     key = f"{module}.weight"
     out_f, in_f = shape
+    to_hf = (getattr(adapter, "to_hf_modules", None) if loaded else None) or adapter.to_hf
     probe = torch.empty(shape, device="meta")
     try:
-        quick = adapter.to_hf({key: probe})
+        quick = to_hf({key: probe})
     except Exception:  # noqa: BLE001 - a fused partner is missing
         quick = {}
     if len(quick) == 1:
@@ -76,7 +83,7 @@ def hf_targets(adapter: HFStateDictAdapter, module: str, shape: tuple[int, int])
     rows_probe = torch.arange(out_f, dtype=torch.float64).view(-1, 1).expand(out_f, in_f).contiguous()
     cols_probe = torch.arange(in_f, dtype=torch.float64).view(1, -1).expand(out_f, in_f).contiguous()
     try:
-        by_rows, by_cols = adapter.to_hf({key: rows_probe}), adapter.to_hf({key: cols_probe})
+        by_rows, by_cols = to_hf({key: rows_probe}), to_hf({key: cols_probe})
     except Exception as exc:  # noqa: BLE001
         raise _fused(module, f"to_hf fails on it alone: {exc}") from None
     if not by_rows or set(by_rows) != set(by_cols):

@@ -57,7 +57,7 @@ def check_lora(spec: ModelSpec, job: DictConfig, config: Any) -> None:
     stored = stored_shapes(folder)
     shapes = {name: m.shape if isinstance(m, GroupedLoRA) else (m.out_features, m.in_features)
               for name, m in adapter_modules(model)}
-    pairs = adapter_pairs(spec, config, shapes, job.model.get("hf"))
+    pairs = adapter_pairs(spec, config, shapes, job.model.get("hf"), stored)
     base = {k: v for k, v in base.items() if not is_adapter_key(k)}
     check_targets(folder, adapter_cfg, stored, pairs, _hf_modules(spec, config, base, job.model.get("hf")))
     check_stored(folder, stored, pairs, int(job.peft.rank))

@@ -325,3 +325,23 @@ def test_check_columns_and_resume(tmp_path, monkeypatch, capsys):
     text = matrix.render({"qwen2": old["qwen2"]}, [], "c")
     assert "| qwen2 | Qwen2ForCausalLM | yes | equal | 0.0e+00 | not run | not run | not run |" in text
     assert "**No export, LoRA or generation cells for 1 equal types** (qwen2" in text
+
+
+@pytest.mark.parametrize("model_type", ["param2moe", "laguna"])
+def test_lora_adapter_of_a_folder_whose_modules_load_renamed(tmp_path, model_type):
+    """Folders whose checkpoint names are not the loaded model's: Param2MoE stores
+    ``attention.query_key_value`` that transformers 5 loads as ``self_attn.qkv_proj``
+    (peft adapts the loaded modules: named on disk, its adapters were dropped and peft's
+    loss was 1.2e-1 off ours); Laguna loads ``shared_expert`` as ``shared_experts`` and
+    peft renames a file's keys through the checkpoint conversion, so its keys must keep
+    the checkpoint's name (5.4e-2 off). Both equal now: peft's model of the exported
+    adapter gives the run's loss."""
+    from titan_hf.matrix_checks import lora_check
+    from titan_hf.matrix_folders import tiny_folder
+    from titan_hf.testing import reference_model
+
+    folder = tiny_folder(model_type, tmp_path / "folder")
+    assert lora_check(folder, tmp_path / "lora") == "equal"
+    config = json.loads((tmp_path / "lora" / "hf-adapter" / "adapter_config.json").read_text())
+    loaded = {n for n, _ in reference_model(folder).named_modules()}
+    assert set(config["target_modules"]) <= loaded  # the loaded model's names, every one

@@ -126,9 +126,14 @@ class HFStateDictAdapter:
         """Our names -> the folder's names and layout (``save_pretrained``'s conversion)."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        named = {to_hf_name(k, self.renames): v for k, v in state_dict.items()
-                 if not (self.tied and k == "output.weight")}
-        return revert_weight_conversion(self.shell, named)
+        return revert_weight_conversion(self.shell, self.to_hf_modules(state_dict))
+
+    def to_hf_modules(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Our names -> the names of the model ``from_pretrained`` builds (no checkpoint
+        conversion): what peft targets, since it adapts the loaded model's modules
+        (a folder may store ``attention.query_key_value`` that loads as ``self_attn.qkv_proj``)."""
+        return {to_hf_name(k, self.renames): v for k, v in state_dict.items()
+                if not (self.tied and k == "output.weight")}
 
     def from_hf(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         out = {from_hf_name(k, self.renames): v for k, v in to_model_layout(self.shell, state_dict).items()}
