@@ -103,7 +103,7 @@ def test_refused_in_one_line_before_launch(pm, overrides, message):
     assert message in str(info.value) and "\n" not in str(info.value)
 
 
-def test_objectives_other_than_sft_and_dpo_are_refused(pm):
+def test_objectives_other_than_sft_dpo_and_grpo_are_refused(pm):
     from titan_plugins.distributed.context_parallel import check_context_parallel
     from titan_plugins.distributed.parallel_dims import ParallelDims
     from titan_plugins.train.api import prepare_job
@@ -112,9 +112,11 @@ def test_objectives_other_than_sft_and_dpo_are_refused(pm):
     dims = ParallelDims.from_config(job.parallelism)
     assert (dims.cp, dims.world_size, dims.fsdp_enabled) == (2, 2, True)
     assert "cp=2" in dims.describe()
-    job.objective.name = "grpo"
-    with pytest.raises(ConfigError, match="objective=grpo with parallelism.cp=2: not done yet"):
+    job.objective.name = "rloo"  # a third party's: its per-row terms know nothing of the cp group
+    with pytest.raises(ConfigError, match="objective=rloo with parallelism.cp=2: not done yet"):
         check_context_parallel(job, "qwen3", None, dims)
+    job.objective.name = "grpo"
+    check_context_parallel(job, "qwen3", None, dims)
     job.objective.name = "dpo"
     check_context_parallel(job, "qwen3", None, dims)
     job.objective.precompute_ref = True

@@ -13,10 +13,9 @@ are summed over cp too (``components.moe.load_balance``).
 
 Refused before launch, one line each (``check_context_parallel``): a row length that
 does not split into ``2 cp`` chunks, a model whose spec does not declare CP
-(``Capabilities.cp``), and the combinations not done yet: EP (measured: the experts'
-gradients come out different from one rank's), ``training.compile``,
-QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``
-and ``dpo`` (DPO's per-row log-probs are summed over the cp group:
+(``Capabilities.cp``), and the combinations not done yet: ``training.compile``,
+QLoRA (its 4-bit base is cut over ``dp_shard`` alone), an objective other than ``sft``,
+``dpo`` and ``grpo`` (their per-row terms are summed over the cp group:
 ``cp_attention.row_sum``), DPO's ``precompute_ref``, ``attn_backend=flex``.
 """
 
@@ -60,8 +59,9 @@ class ContextParallel:
 
     def shard_batches(self, batches: list[Any], make: Callable[..., Any]) -> tuple[SequenceShard, list[Any]]:
         """Each batch's ``(inputs, labels)`` and ``doc_ids`` cut to this rank's positions
-        (dim 1), rebuilt as ``make(inputs, labels, doc_ids)``, and the shard they belong to
-        (one row length per step)."""
+        (dim 1), rebuilt as ``make(inputs, labels, doc_ids)`` (or by the batch's own
+        ``positions(index)`` where it carries more per position), and the shard they
+        belong to (one row length per step)."""
         lengths = {int(b[0].shape[1]) for b in batches}
         if len(lengths) != 1:
             raise ConfigError(f"parallelism.cp={self.size}: the microbatches of a step have rows of "
@@ -74,6 +74,9 @@ class ContextParallel:
                 raise ConfigError(f"parallelism.cp={self.size}: labels {tuple(labels.shape)} do not match "
                                   f"the inputs {tuple(inputs.shape)} position for position")
             index = load_balanced_positions(shard.seq_len, self.size, self.rank, inputs.device)
+            if hasattr(batch, "positions"):  # a batch with per-position extras cuts itself (RolloutBatch)
+                out.append(batch.positions(index))
+                continue
             doc_ids = getattr(batch, "doc_ids", None)
             out.append(make(inputs.index_select(1, index), labels.index_select(1, index.to(labels.device)),
                              None if doc_ids is None else doc_ids.index_select(1, index.to(doc_ids.device))))
@@ -119,9 +122,9 @@ def check_context_parallel(job: DictConfig, model_name: str, model_config: Any, 
                               "FSDP, HSDP, TP and LoRA)")
     objective = job.get("objective")
     name = _value(objective.get("name", "sft")) if objective is not None else "sft"
-    if name not in ("sft", "dpo"):
-        raise ConfigError(f"objective={name} with parallelism.cp={cp}: not done yet (its rollouts decode with "
-                          "a KV cache over whole rows); context parallel trains objective=sft and dpo")
+    if name not in ("sft", "dpo", "grpo"):
+        raise ConfigError(f"objective={name} with parallelism.cp={cp}: not done yet (its per-row terms are not "
+                          "summed over the cp group); context parallel trains objective=sft, dpo and grpo")
     if name == "dpo" and objective.get("precompute_ref"):
         raise ConfigError(f"objective.precompute_ref=true with parallelism.cp={cp}: not done yet (the first pass "
                           "stores whole rows' log-probs); use the frozen reference (precompute_ref=false)")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["GRPOObjective"]
+__all__ = ["GRPOObjective", "rollout_group"]
 
 PROMPT_DATA = ("prompts",)
 STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -51,6 +51,15 @@ def _plain(value: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
+
+
+def rollout_group(run: Any) -> Any:
+    """The ranks a rollout's agreements and metrics span: data parallel, and under context
+    parallel its cp peers too (they hold the same rows, and other tokens of them)."""
+    from titan_plugins.distributed.context_parallel import context_parallel
+
+    cp = context_parallel(getattr(run, "dims", None))
+    return run.dp_group if cp is None else cp.loss_group
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -170,16 +179,20 @@ class GRPOObjective(Objective):
         """The step's rows: the prompts' completions, scored (``grpo_stage.RolloutStage``)."""
         from titan_plugins.objectives.grpo_stage import RolloutStage
 
-        self.group = run.dp_group
+        self.group = rollout_group(run)
         if self.stage is None:
             self.stage = RolloutStage(run, self)
         out, self.rollout_metrics = self.stage(run, step, batches)
         return out
 
     def count(self, labels: torch.Tensor) -> torch.Tensor:
-        """Completions, completion tokens (the loss mask), and one microbatch."""
-        return torch.stack([torch.tensor(labels.shape[0], device=labels.device), (labels != IGNORE_INDEX).sum(),
-                            torch.tensor(1, device=labels.device)])
+        """Completions, completion tokens (the loss mask), and one microbatch (rows and
+        microbatches counted by one rank of a cp group: ``owns_rows``)."""
+        from titan_plugins.components.cp_attention import owns_rows
+
+        once = 1 if owns_rows() else 0
+        return torch.stack([torch.tensor(labels.shape[0] * once, device=labels.device),
+                            (labels != IGNORE_INDEX).sum(), torch.tensor(once, device=labels.device)])
 
     def empty_message(self, job: DictConfig) -> str:
         return f"data.name={job.data.name}: a global batch holds no completion"
@@ -214,20 +227,25 @@ class GRPOObjective(Objective):
     def _stats(self, mask: torch.Tensor, entropy: torch.Tensor, kl: torch.Tensor | None, coef: torch.Tensor,
                adv: torch.Tensor) -> dict[str, torch.Tensor]:
         """This microbatch's metrics over every data-parallel rank (TRL's ``global_masked_mean``,
-        ``nanmin``/``nanmax`` of the per-completion clip fractions)."""
+        ``nanmin``/``nanmax`` of the per-completion clip fractions). Under context parallel
+        the sums run over ``dp x cp``, per-completion values over the whole row
+        (``row_sum``), and one rank of each cp group reports them (``owns_rows``)."""
+        from titan_plugins.components.cp_attention import owns_rows, row_sum
+
         low = ((coef < 1 - self.epsilon_low) & (adv < 0)).to(mask.dtype)
         high = ((coef > 1 + self.epsilon_high) & (adv > 0)).to(mask.dtype)
         region = torch.maximum(low, high)
         tokens = mask.sum()
-        if coef.shape[1] == 1:  # sequence level: one value per completion
-            clip_sum = [x.sum() for x in (low, high, region)]
-            clip_count = torch.tensor(float(coef.shape[0]), device=mask.device)
+        once = 1.0 if owns_rows() else 0.0
+        if coef.shape[1] == 1:  # sequence level: one value per completion (the same on a row's cp ranks)
+            clip_sum = [x.sum() * once for x in (low, high, region)]
+            clip_count = torch.tensor(float(coef.shape[0]) * once, device=mask.device)
             low_rows, high_rows = low.squeeze(1), high.squeeze(1)
         else:
             clip_sum = [(x * mask).sum() for x in (low, high, region)]
             clip_count = tokens
-            per_row = mask.sum(-1)
-            low_rows, high_rows = (low * mask).sum(-1) / per_row, (high * mask).sum(-1) / per_row
+            per_row = row_sum(mask.sum(-1))
+            low_rows, high_rows = row_sum((low * mask).sum(-1)) / per_row, row_sum((high * mask).sum(-1)) / per_row
         kl_sum = (kl * mask).sum() if kl is not None else torch.zeros((), device=mask.device)
         sums = torch.stack([kl_sum, (entropy * mask).sum(), *clip_sum, tokens, clip_count]).double()
         inf = torch.tensor(math.inf, dtype=torch.float64, device=mask.device)
@@ -245,6 +263,8 @@ class GRPOObjective(Objective):
                "clip_ratio/high_max": torch.where(torch.isinf(extremes[1]), nan, -extremes[1])}
         if kl is not None:
             out["kl"] = sums[0] / tok
+        if not once:  # the cp group's other ranks: their peer reports the same values
+            out = {k: torch.zeros_like(v) for k, v in out.items()}
         return out
 
     def metrics(self, sums: dict[str, float], count: Any) -> dict[str, float]:

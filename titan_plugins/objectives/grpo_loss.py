@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from titan_plugins.components.cp_attention import row_sum
+
 __all__ = ["IS_LEVELS", "LOSS_TYPES", "SCALE_REWARDS", "advantages", "nanstd", "per_token_loss", "reduce_loss",
            "rollout_metrics"]
 
@@ -101,8 +103,8 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: tor
     log_ratio = logps - old_logps
     if level == "token":
         log_weights = log_ratio
-    else:
-        log_weights = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    else:  # row_sum: under context parallel a row's tokens are on several ranks
+        log_weights = (row_sum((log_ratio * mask).sum(-1)) / row_sum(mask.sum(-1)).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_weights)
     kl = None
     if beta != 0.0:
@@ -120,12 +122,14 @@ def per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: tor
 def reduce_loss(loss_type: str, per_token: torch.Tensor, mask: torch.Tensor, *, rows: float, tokens: float,
                 microbatches: float, max_completion_length: int) -> torch.Tensor:
     """This microbatch's share of the global loss (the sum over microbatches and ranks is
-    the loss TRL's accumulated, data-parallel step minimises)."""
+    the loss TRL's accumulated, data-parallel step minimises). Under context parallel the
+    per-row and per-microbatch token counts are the whole rows' (``row_sum``), and each
+    rank's share is its own tokens' part."""
     masked = per_token * mask
     if loss_type == "grpo":
-        return (masked.sum(-1) / mask.sum(-1).clamp(min=1.0)).sum() / rows
+        return (masked.sum(-1) / row_sum(mask.sum(-1)).clamp(min=1.0)).sum() / rows
     if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1.0) / microbatches
+        return masked.sum() / row_sum(mask.sum()).clamp(min=1.0) / microbatches
     if loss_type == "dr_grpo":
         return masked.sum() / (rows * max_completion_length)
     if loss_type == "dapo":

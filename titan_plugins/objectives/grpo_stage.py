@@ -27,6 +27,7 @@ from titan_plugins.objectives.rollout import (
     RolloutBatch,
     build_engine,
     is_truncated,
+    row_width,
     training_rows,
     write_completions,
 )
@@ -130,6 +131,19 @@ class RolloutStage:
                    for (row, ids), c in zip(flat, completions, strict=True)]
         return torch.tensor(table, dtype=torch.float32).T.reshape(len(flat), len(self.rewards)), records
 
+    def _cp_width(self, run: JobView, sampled: list[tuple[list[Any], Any]]) -> int | None:
+        """Under context parallel every microbatch of the step is one row length that
+        splits into ``2 cp`` chunks: the longest, rounded up (at most ``training.seq_len``,
+        which splits); else None (each microbatch its own longest, as TRL pads)."""
+        from titan_plugins.distributed.context_parallel import context_parallel
+
+        cp = context_parallel(getattr(run, "dims", None))
+        if cp is None:
+            return None
+        G, chunks = self.objective.num_generations, 2 * cp.size
+        longest = max(row_width([row.ids for row in rows for _ in range(G)], done.ids) for rows, done in sampled)
+        return -(-longest // chunks) * chunks
+
     def _old_logps(self, run: JobView, batch: RolloutBatch) -> torch.Tensor:
         from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
         from titan_plugins.loss.token_logps import token_logps
@@ -160,11 +174,12 @@ class RolloutStage:
         n_local = local.shape[0]
         adv_local = adv[rank * n_local:(rank + 1) * n_local]
         out, offset = [], 0
+        width = self._cp_width(run, sampled)
         for rows, done in sampled:
             n = len(done.ids)
             prompts = [row.ids for row in rows for _ in range(G)]
             masked = [objective.mask_truncated_completions and bool(t) for t in truncated[offset:offset + n]]
-            inputs, labels = training_rows(prompts, done.ids, masked, self.pad_id)
+            inputs, labels = training_rows(prompts, done.ids, masked, self.pad_id, width)
             out.append(RolloutBatch(inputs, labels, adv_local[offset:offset + n].clone()))
             offset += n
         if objective.num_iterations > 1:  # the sampling policy's log-probs, kept for the cycle's steps

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from titan_plugins.data.prompt_source import PromptRow
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
+__all__ = ["row_width", "ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
            "training_rows", "write_completions"]
 
 ENGINES = {
@@ -85,14 +85,26 @@ class RolloutBatch(tuple):
         batch.advantages, batch.old_logps = advantages, old_logps
         return batch
 
+    def positions(self, index: torch.Tensor) -> RolloutBatch:
+        """The batch at positions ``index`` of its rows (context parallel's shard): the
+        advantages are per row and stay whole."""
+        cut = lambda x: x.index_select(1, index.to(x.device))  # noqa: E731
+        return RolloutBatch(cut(self[0]), cut(self[1]), self.advantages,
+                            None if self.old_logps is None else cut(self.old_logps))
+
+
+def row_width(prompts: list[list[int]], completions: list[list[int]]) -> int:
+    """The positions the longest ``prompt + completion`` needs as a training row."""
+    return max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
+
 
 def training_rows(prompts: list[list[int]], completions: list[list[int]], masked: list[bool],
-                  pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(inputs, labels)`` ``[rows, longest - 1]``: row ``i`` is ``prompts[i] +
-    completions[i]`` shifted as a causal LM reads it, right-padded; labels on the
-    completion's tokens (none for a ``masked`` completion: TRL's
-    ``mask_truncated_completions``)."""
-    width = max(len(p) + len(c) for p, c in zip(prompts, completions, strict=True)) - 1
+                  pad_id: int, width: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(inputs, labels)`` ``[rows, width]`` (``width`` at least ``row_width``, by default
+    that): row ``i`` is ``prompts[i] + completions[i]`` shifted as a causal LM reads it,
+    right-padded; labels on the completion's tokens (none for a ``masked`` completion:
+    TRL's ``mask_truncated_completions``)."""
+    width = max(width or 0, row_width(prompts, completions))
     inputs = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     labels = torch.full((len(prompts), width), IGNORE_INDEX, dtype=torch.int64)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):

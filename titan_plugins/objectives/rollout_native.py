@@ -108,6 +108,7 @@ class NativeRollout:
     def complete(self, run: JobView, step: int, micro: int, rows: list[PromptRow],
                  num_generations: int) -> Completions:
         from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
+        from titan_plugins.objectives.grpo import rollout_group
 
         prompts = [row.ids for row in rows for _ in range(num_generations)]
         seeds = [step_seed(self.seed, row.position * num_generations + g, step)
@@ -115,5 +116,5 @@ class NativeRollout:
         parts = run.model.parts
         with moe_counters_kept(parts), resharded(parts):
             ids = sample_completions(parts[0], prompts, seeds, self.cfg, self.stops, self.pad_id, run.device,
-                                     run.dp_group)
+                                     rollout_group(run))
         return Completions(ids)
