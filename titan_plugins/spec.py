@@ -111,6 +111,10 @@ class ModelSpec:
             of the run's own data; returns the header's line, ``None`` when it chose
             not to run (``forced=False``: ``model.verify`` left at auto and the
             architecture already proven), or raises ``ConfigError`` naming the worst tensor.
+        check_decoding: ``check_decoding(config) -> None``; raises ``ConfigError`` (one line)
+            where the model cannot decode with a KV cache as it computes whole sequences.
+            Called before launch when the run samples from the policy (an online objective
+            with ``rollout=native``); absent: the model is taken to decode correctly.
         flops: ``flops(config, seq_len) -> (num_params, flops_per_token)``.
         optimizer_hooks: ``optimizer_hooks(model_parts, parallel_dims) -> list[Callable[[], None]]``,
             run before every optimizer step (MoE load balancing lives here).
@@ -137,6 +141,7 @@ class ModelSpec:
     config_from_hf: Ref | None = None
     config_to_hf: Ref | None = None
     verify: Ref | None = None
+    check_decoding: Ref | None = None
     capabilities: Capabilities = field(default_factory=Capabilities)
     description: str = ""
     rank_imports: tuple[str, ...] = ()

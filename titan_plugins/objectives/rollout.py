@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from titan_plugins.data.prompt_source import PromptRow
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["row_width", "ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
+__all__ = ["row_width", "samples_from_the_policy", "ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
            "training_rows", "write_completions"]
 
 ENGINES = {
@@ -66,6 +66,19 @@ def build_engine(job: Any, objective: Any) -> RolloutEngine:
     if name not in ENGINES:
         raise ConfigError(f"rollout.name={name}: expected one of {', '.join(ENGINES)}")
     return resolve(ENGINES[name])(job, objective)
+
+
+def samples_from_the_policy(job: Any) -> bool:
+    """Whether the run decodes with the training model and its KV cache: an online
+    objective (one with a rollout stage) on ``rollout=native``."""
+    from titan_plugins.objectives.base import Objective
+    from titan_plugins.objectives.registry import build_objective
+
+    objective = build_objective(job.get("objective"))
+    if type(objective).rollout is Objective.rollout:
+        return False
+    rollout = job.get("rollout")
+    return str(getattr(rollout, "name", None) or "native") == "native"
 
 
 def is_truncated(ids: list[int], stops: set[int]) -> bool:

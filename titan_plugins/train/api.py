@@ -87,6 +87,11 @@ def validate_job(spec: ModelSpec, job: DictConfig, pm: TitanPluginManager) -> An
     validate = spec.load("validate")
     if validate is not None:
         validate(config, dims)
+    from titan_plugins.objectives.rollout import samples_from_the_policy
+
+    check_decoding = spec.load("check_decoding")
+    if check_decoding is not None and samples_from_the_policy(job):
+        check_decoding(config)  # the rollouts decode with the KV cache: a model that cannot, before launch
     n_layers = None
     if dims.pp > 1:
         from titan_plugins.model.lifecycle import build_meta_model

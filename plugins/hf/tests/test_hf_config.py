@@ -243,3 +243,29 @@ def test_kv_cache_decoding_is_refused_where_the_attention_builds_its_own_mask(tm
                                               r"its keys; decoding with a KV cache") as info:
             model(ids, cache=KVCache())
     _one_line(info)
+
+
+def test_grpo_rollouts_on_a_model_that_cannot_decode_stop_before_launch(tmp_path):
+    """objective=grpo samples with the KV cache (rollout=native): on Doge that was refused
+    only at the first cached forward, inside every rank after launch. Now it is one line
+    before any rank starts; SFT on the same folder is not refused, nor is rollout=file
+    (completions replayed, nothing decoded)."""
+    from omegaconf import OmegaConf
+    from titan_hf.matrix_folders import tiny_folder
+
+    from titan_plugins.objectives.rollout import samples_from_the_policy
+    from titan_plugins.plugins import get_plugin_manager
+    from titan_plugins.train.api import prepare_job
+
+    folder = tiny_folder("doge", tmp_path / "doge")
+    grpo = ["model=hf", f"model.hf={folder}", "objective=grpo", "data=prompts", "training.seq_len=64",
+            "objective.max_completion_length=8", "objective.num_generations=2", "objective.reward_funcs=[length]"]
+    with pytest.raises(ConfigError, match=r"DogeForCausalLM's DogeAttention builds its own attention mask .*"
+                                          r"\(objective rollouts decode with it: use rollout=file") as info:
+        prepare_job(grpo, get_plugin_manager())
+    _one_line(info)
+    prepare_job(["model=hf", f"model.hf={folder}", "data=synthetic", "data.vocab_size=256"], get_plugin_manager())
+    online = {"objective": {"name": "grpo", "reward_funcs": ["length"]}}
+    assert samples_from_the_policy(OmegaConf.create(online))
+    assert not samples_from_the_policy(OmegaConf.create({**online, "rollout": {"name": "file"}}))
+    assert not samples_from_the_policy(OmegaConf.create({"objective": {"name": "sft"}}))

@@ -142,16 +142,9 @@ class HFCausalLM(nn.Module):
         decoding cannot equal recomputing the whole sequence."""
         if getattr(self, "_decoding_checked", False):
             return
-        arch = self.config.architecture
-        if self.cache_keyword is None:
-            raise ConfigError(f"model=hf: {arch}'s base model hands its decoder layers no KV cache, so decoding "
-                              "with one would attend to the new token only")
-        from titan_hf.context_parallel import attention_building_its_own_mask
-
-        own = attention_building_its_own_mask(self.hf_config)
-        if own:  # Doge: its dynamic mask, made from the keys it holds, differs with a cache (measured)
-            raise ConfigError(f"model=hf: {arch}'s {own} builds its own attention mask from its keys; decoding "
-                              "with a KV cache does not reproduce the whole sequence's logits for it")
+        why = decoding_refusal(self.config.architecture, self.cache_keyword, self.hf_config)
+        if why is not None:
+            raise ConfigError(why)
         self._decoding_checked = True
 
     def _rope(self, like: torch.Tensor, positions: torch.Tensor) -> dict[str, Any]:
@@ -205,6 +198,22 @@ class HFCausalLM(nn.Module):
             if self.post_head is not None:
                 h = self.post_head(h)
         return h
+
+
+def decoding_refusal(arch: str, keyword: str | None, hf: Any) -> str | None:
+    """Why decoding ``arch`` with a KV cache cannot equal recomputing the whole sequence
+    (its base model hands its layers no cache: ``keyword`` None, ``layer_call.cache_keyword``;
+    its attention builds its own mask), or None."""
+    if keyword is None:
+        return (f"model=hf: {arch}'s base model hands its decoder layers no KV cache, so decoding with one "
+                "would attend to the new token only")
+    from titan_hf.context_parallel import attention_building_its_own_mask
+
+    own = attention_building_its_own_mask(hf)
+    if own:  # Doge: its dynamic mask, made from the keys it holds, differs with a cache (measured)
+        return (f"model=hf: {arch}'s {own} builds its own attention mask from its keys; decoding with a KV "
+                "cache does not reproduce the whole sequence's logits for it")
+    return None
 
 
 def _nested_head(shell: nn.Module, path: str) -> None:

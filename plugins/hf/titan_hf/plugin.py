@@ -17,6 +17,7 @@ def titan_register_models(register):
             build="titan_hf.model:build",
             parallelize="titan_hf.parallelize:parallelize",
             validate="titan_hf.validate:validate",
+            check_decoding="titan_hf.validate:check_decoding",
             state_dict_adapter="titan_hf.state_dict_adapter:HFStateDictAdapter",
             flops="titan_hf.model:flops",
             config_from_hf="titan_hf.config:config_from_hf",

@@ -126,3 +126,19 @@ def validate(config: HFModelConfig, parallel_dims: ParallelDims) -> None:
                           "the embedding lives on the first stage and the tied head on the last")
     if parallel_dims.pp > 1 and n_layers < parallel_dims.pp:
         raise ConfigError(f"parallelism.pp={parallel_dims.pp}: model.n_layers={n_layers} gives a stage no layer")
+
+
+def check_decoding(config: HFModelConfig) -> None:
+    """Before launch, where the run samples with the KV cache (``ModelSpec.check_decoding``):
+    the refusals ``HFCausalLM._check_decoding`` would otherwise raise at the first cached
+    forward, inside the ranks (``titan_hf.model.decoding_refusal``)."""
+    from titan_hf.layer_call import cache_keyword
+    from titan_hf.model import decoding_refusal, hf_config_object
+    from titan_hf.state_dict_adapter import meta_shell
+    from titan_hf.structure import find_structure
+
+    shell = meta_shell(config)
+    base = shell.get_submodule(find_structure(shell).base)
+    why = decoding_refusal(config.architecture, cache_keyword(base), hf_config_object(config))
+    if why is not None:
+        raise ConfigError(f"{why} (objective rollouts decode with it: use rollout=file, or another model)")
