@@ -33,5 +33,5 @@ fi
 GRPO=(objective=grpo data=prompts data.path="$ASSETS/reverse.jsonl"
       checkpoint.init_from="$OUT/sft/checkpoints/step-$SFT_STEPS"
       objective.num_generations=8 objective.max_completion_length=8 training.seq_len=40
-      training.local_batch_size=16 training.steps=${GRPO_STEPS:-60} training.warmup_steps=0)
+      training.local_batch_size=16 training.steps=${GRPO_STEPS:-300} training.warmup_steps=0)
 grpo_stage 1e-3 5e-3 "${GRPO[@]}"  # then its curve
