@@ -64,7 +64,6 @@ def test_two_native_steps_log_trls_metrics_and_resume_bitwise(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["data=chat_sample"], "objective.name=grpo samples completions of prompts, but data.name=chat_sample"),
     (["parallelism=pp2"], "parallelism.pp=2: objective.name=grpo decodes with the whole model on each rank"),
-    (["model.flavor=debugmodel_moe", "parallelism=fsdp2_ep2"], "parallelism.ep=2: objective.name=grpo's rollouts"),
     (["objective.loss_type=sigmoid"], "objective.loss_type=sigmoid: expected one of grpo, dapo, dr_grpo, bnpo"),
     (["objective.scale_rewards=std"], "objective.scale_rewards=std: expected one of group, batch, none"),
     (["objective.importance_sampling_level=seq"], "objective.importance_sampling_level=seq: expected one of"),

@@ -305,6 +305,7 @@ def test_lora_pushes_adapters_only_under_a_new_id_per_update(tmp_path, model):
 @pytest.mark.parametrize("overrides, message", [
     ({"parallelism.pp": 2}, "rollout=vllm with parallelism.pp=2: each rank's engine holds the whole policy"),
     ({"parallelism.tp": 2}, "rollout=vllm with parallelism.tp=2: one engine per rank with tensor parallel 1"),
+    ({"parallelism.ep": 2}, "rollout=vllm with parallelism.ep=2: not done yet (the weight push gathers"),
     ({"peft.method": "qlora"}, "rollout=vllm with peft.method=qlora: the 4-bit NF4 base cannot be pushed"),
     ({"peft.method": "lora", "peft.rank": 1024}, "rollout=vllm with peft.rank=1024: above vLLM's largest LoRA"),
     ({"model.hf": "null"}, "rollout=vllm with model.hf=null: vLLM builds its engine from a Hugging Face folder"),

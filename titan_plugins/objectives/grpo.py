@@ -144,9 +144,6 @@ class GRPOObjective(Objective):
         if int(par.pp) > 1:
             raise ConfigError(f"parallelism.pp={par.pp}: objective.name=grpo decodes with the whole model on each "
                               "rank (the KV cache); use FSDP/HSDP without PP")
-        if int(par.get("ep", 1) or 1) > 1:
-            raise ConfigError(f"parallelism.ep={par.ep}: objective.name=grpo's rollouts are not done under expert "
-                              "parallelism yet; use FSDP/HSDP without EP")
         if job.validation.enabled:
             raise ConfigError("validation.enabled=true: objective.name=grpo has no held-out loss (its rows are "
                               "sampled each step); read the rewards in metrics.jsonl and completions.jsonl")

@@ -114,6 +114,9 @@ def check_vllm_layout(job: Any) -> None:
     if int(par.tp) > 1:
         raise ConfigError(f"rollout=vllm with parallelism.tp={par.tp}: one engine per rank with tensor parallel 1 "
                           "for now; use FSDP/HSDP without TP")
+    if int(par.get("ep", 1) or 1) > 1:  # the weight push has not been run on expert-sharded weights
+        raise ConfigError(f"rollout=vllm with parallelism.ep={par.ep}: not done yet (the weight push gathers "
+                          "FSDP shards only); use rollout=native under EP, or FSDP/HSDP without EP")
     if qlora_enabled(job):
         raise ConfigError("rollout=vllm with peft.method=qlora: the 4-bit NF4 base cannot be pushed to vLLM; "
                           "use peft=lora or full fine-tuning")
