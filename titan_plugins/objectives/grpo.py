@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["GRPOObjective", "rollout_group"]
+__all__ = ["GRPOObjective"]
 
 PROMPT_DATA = ("prompts",)
 STATS = ("kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
@@ -51,15 +51,6 @@ def _plain(value: Any) -> Any:
     from omegaconf import DictConfig, ListConfig, OmegaConf
 
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, DictConfig | ListConfig) else value
-
-
-def rollout_group(run: Any) -> Any:
-    """The ranks a rollout's agreements and metrics span: data parallel, and under context
-    parallel its cp peers too (they hold the same rows, and other tokens of them)."""
-    from titan_plugins.distributed.context_parallel import context_parallel
-
-    cp = context_parallel(getattr(run, "dims", None))
-    return run.dp_group if cp is None else cp.loss_group
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> str:
@@ -175,6 +166,7 @@ class GRPOObjective(Objective):
     def rollout(self, run: JobView, step: int, batches: list[Any]) -> list[Any]:
         """The step's rows: the prompts' completions, scored (``grpo_stage.RolloutStage``)."""
         from titan_plugins.objectives.grpo_stage import RolloutStage
+        from titan_plugins.objectives.rollout import rollout_group
 
         self.group = rollout_group(run)
         if self.stage is None:

@@ -131,7 +131,7 @@ class RolloutStage:
                    for (row, ids), c in zip(flat, completions, strict=True)]
         return torch.tensor(table, dtype=torch.float32).T.reshape(len(flat), len(self.rewards)), records
 
-    def _cp_width(self, run: JobView, sampled: list[tuple[list[Any], Any]]) -> int | None:
+    def _cp_width(self, run: JobView, rows: list[tuple[list[list[int]], list[list[int]]]]) -> int | None:
         """Under context parallel every microbatch of the step is one row length that
         splits into ``2 cp`` chunks: the longest, rounded up (at most ``training.seq_len``,
         which splits); else None (each microbatch its own longest, as TRL pads)."""
@@ -140,8 +140,8 @@ class RolloutStage:
         cp = context_parallel(getattr(run, "dims", None))
         if cp is None:
             return None
-        G, chunks = self.objective.num_generations, 2 * cp.size
-        longest = max(row_width([row.ids for row in rows for _ in range(G)], done.ids) for rows, done in sampled)
+        chunks = 2 * cp.size
+        longest = max(row_width(prompts, completions) for prompts, completions in rows)
         return -(-longest // chunks) * chunks
 
     def _old_logps(self, run: JobView, batch: RolloutBatch) -> torch.Tensor:
@@ -174,12 +174,12 @@ class RolloutStage:
         n_local = local.shape[0]
         adv_local = adv[rank * n_local:(rank + 1) * n_local]
         out, offset = [], 0
-        width = self._cp_width(run, sampled)
-        for rows, done in sampled:
-            n = len(done.ids)
-            prompts = [row.ids for row in rows for _ in range(G)]
+        rows_of = [([row.ids for row in rows for _ in range(G)], done.ids) for rows, done in sampled]
+        width = self._cp_width(run, rows_of)
+        for prompts, ids in rows_of:
+            n = len(ids)
             masked = [objective.mask_truncated_completions and bool(t) for t in truncated[offset:offset + n]]
-            inputs, labels = training_rows(prompts, done.ids, masked, self.pad_id, width)
+            inputs, labels = training_rows(prompts, ids, masked, self.pad_id, width)
             out.append(RolloutBatch(inputs, labels, adv_local[offset:offset + n].clone()))
             offset += n
         if objective.num_iterations > 1:  # the sampling policy's log-probs, kept for the cycle's steps

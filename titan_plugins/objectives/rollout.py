@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from titan_plugins.data.prompt_source import PromptRow
     from titan_plugins.objectives.job import JobView
 
-__all__ = ["row_width", "samples_from_the_policy", "ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
-           "training_rows", "write_completions"]
+__all__ = ["ENGINES", "Completions", "RolloutBatch", "RolloutEngine", "build_engine", "is_truncated",
+           "rollout_group", "row_width", "samples_from_the_policy", "training_rows", "write_completions"]
 
 ENGINES = {
     "native": "titan_plugins.objectives.rollout_native:NativeRollout",
@@ -79,6 +79,15 @@ def samples_from_the_policy(job: Any) -> bool:
         return False
     rollout = job.get("rollout")
     return str(getattr(rollout, "name", None) or "native") == "native"
+
+
+def rollout_group(run: Any) -> Any:
+    """The ranks a rollout's agreements and metrics span: data parallel, and under context
+    parallel its cp peers too (they hold the same rows, and other tokens of them)."""
+    from titan_plugins.distributed.context_parallel import context_parallel
+
+    cp = context_parallel(getattr(run, "dims", None))
+    return run.dp_group if cp is None else cp.loss_group
 
 
 def is_truncated(ids: list[int], stops: set[int]) -> bool:

@@ -27,7 +27,7 @@ from titan_plugins.components.kv_cache import KVCache
 from titan_plugins.components.sampling import SamplingConfig, sample_by_uniforms
 from titan_plugins.loss.token_logps import last_logits
 from titan_plugins.objectives.job import step_seed
-from titan_plugins.objectives.rollout import Completions
+from titan_plugins.objectives.rollout import Completions, rollout_group
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -108,7 +108,6 @@ class NativeRollout:
     def complete(self, run: JobView, step: int, micro: int, rows: list[PromptRow],
                  num_generations: int) -> Completions:
         from titan_plugins.distributed.forward_only import moe_counters_kept, resharded
-        from titan_plugins.objectives.grpo import rollout_group
 
         prompts = [row.ids for row in rows for _ in range(num_generations)]
         seeds = [step_seed(self.seed, row.position * num_generations + g, step)

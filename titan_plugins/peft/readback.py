@@ -134,8 +134,8 @@ def choose_peft_layout(hf_folder: str | None, layouts: dict[str, Any], adapter_c
         import peft  # noqa: F401
     except ImportError:
         return names[0], first
-    try:
-        _shell(str(hf_folder), trust_remote_code)
+    try:  # the first attempt's model; peft adds its adapters in place, so each later one builds its own
+        spare = [_shell(str(hf_folder), trust_remote_code)]
     except Exception as exc:  # noqa: BLE001 - any failure to build means nothing was checked
         raise ConfigError(f"model.hf={hf_folder}: transformers cannot build its model to check what peft would "
                           f"read ({type(exc).__name__}: {str(exc).splitlines()[0][:160]}); export with --merge"
@@ -147,7 +147,8 @@ def choose_peft_layout(hf_folder: str | None, layouts: dict[str, Any], adapter_c
         except ConfigError as exc:
             reports.append(str(exc))
             continue
-        report = peft_load_report(lambda: _shell(str(hf_folder), trust_remote_code), adapter_config(modules), tensors)
+        report = peft_load_report(lambda: spare.pop() if spare else _shell(str(hf_folder), trust_remote_code),
+                                  adapter_config(modules), tensors)
         if report is None:
             return name, (tensors, modules)
         reports.append(report)
