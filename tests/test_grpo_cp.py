@@ -8,29 +8,20 @@ cp group, and one rank of it reports the metrics."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+from titan_plugins.testing.grpo import launch_grpo, tiny_grpo_run
 from titan_plugins.train.api import run
 
 pytest.importorskip("titan_qwen3")
 
-TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false", "metrics.tensorboard=false",
-        "metrics.console=false", "objective=grpo", "data=prompts", "training.seq_len=64",
-        "objective.max_completion_length=12", "objective.num_generations=4", "training.local_batch_size=1",
-        "training.warmup_steps=0", "training.lr=0.01", "training.steps=3", "objective.reward_funcs=[format]",
-        "+objective.reward_options.format.pattern='(?s)[a-z].*'", "training.dump_final_params=true"]
+TINY = [*tiny_grpo_run(steps=3), "training.dump_final_params=true"]
 
 
 def _go(tmp_path, name, *overrides):
-    result = run([*TINY, *overrides], run_dir=tmp_path / name, timeout=600)
-    assert result.returncode == 0, f"{name}: {result.error}\n{result.stderr[-3000:]}"
-    metrics = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "step" in r]
-    final = torch.load(tmp_path / name / "final_params.pt")
-    return metrics, (tmp_path / name / "completions.jsonl").read_text(), final
+    metrics, completions = launch_grpo(tmp_path / name, [*TINY, *overrides])
+    return metrics, completions, torch.load(tmp_path / name / "final_params.pt")
 
 
 @pytest.mark.slow

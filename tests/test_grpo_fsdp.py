@@ -8,28 +8,19 @@ weights agree to the float order of TP's reductions and the experts' all-to-all.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
+from titan_plugins.testing.grpo import launch_grpo, tiny_grpo_run
 from titan_plugins.train.api import run
 
 pytest.importorskip("titan_qwen3")
 
-TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false", "metrics.tensorboard=false",
-        "metrics.console=false", "objective=grpo", "data=prompts", "training.seq_len=64",
-        "objective.max_completion_length=12", "objective.num_generations=4", "training.local_batch_size=1",
-        "training.warmup_steps=0", "training.lr=0.01", "training.steps=2", "objective.reward_funcs=[format]",
-        "+objective.reward_options.format.pattern='(?s)[a-z].*'"]
+TINY = tiny_grpo_run()
 
 
 def _go(tmp_path, name, *overrides):
-    result = run([*TINY, *overrides], run_dir=tmp_path / name, timeout=600)
-    assert result.returncode == 0, f"{name}: {result.error}\n{result.stderr[-3000:]}"
-    metrics = [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines()) if "step" in r]
-    return metrics, (tmp_path / name / "completions.jsonl").read_text()
+    return launch_grpo(tmp_path / name, [*TINY, *overrides])
 
 
 def _seeded(tmp_path, *overrides):
@@ -56,6 +47,20 @@ def test_fsdp2_samples_and_trains_as_one_rank_with_two_microbatches(tmp_path):
     assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
 
 
+def _same_tokens_within_float_order(tmp_path, one, layout, *overrides, weights):
+    """The run ``layout`` (launched with ``overrides``) samples ``one``'s completions (the
+    one-rank run's), with the same losses and rewards within 1e-5, grad norm 1e-4, final
+    weights within ``weights``."""
+    (one, one_completions), (got, got_completions) = one, _go(tmp_path, layout, *overrides)
+    assert got_completions == one_completions
+    for a, b in zip(one, got, strict=True):
+        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    final = [torch.load(tmp_path / name / "final_params.pt") for name in ("one", layout)]
+    assert max((final[0][k] - final[1][k]).abs().max().item() for k in final[0]) < weights
+
+
 @pytest.mark.slow
 @pytest.mark.extended  # 4 ranks (~25 s); the sampler's gather of vocabulary-sharded logits
 def test_fsdp2_tp2_samples_the_same_tokens_and_trains_within_float_order(tmp_path):
@@ -64,14 +69,8 @@ def test_fsdp2_tp2_samples_the_same_tokens_and_trains_within_float_order(tmp_pat
     # one rank only by TP's reduction order.
     start = _seeded(tmp_path)
     one, one_completions = _go(tmp_path, "one", *start, "training.grad_accum_steps=2")
-    tp, tp_completions = _go(tmp_path, "fsdp2_tp2", *start, "parallelism=fsdp2_tp2")
-    assert tp_completions == one_completions
-    for a, b in zip(one, tp, strict=True):
-        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    final = [torch.load(tmp_path / name / "final_params.pt") for name in ("one", "fsdp2_tp2")]
-    assert max((final[0][k] - final[1][k]).abs().max().item() for k in final[0]) < 1e-4
+    _same_tokens_within_float_order(tmp_path, (one, one_completions), "fsdp2_tp2", *start, "parallelism=fsdp2_tp2",
+                                    weights=1e-4)
 
 
 MOE = ["model.flavor=debugmodel_moe"]
@@ -85,11 +84,5 @@ def test_fsdp2_ep2_samples_the_same_tokens_and_trains_within_float_order(tmp_pat
     the expert all-to-all's float order (grad norm 4e-5, weights 8.9e-5 at lr 1e-2 measured)."""
     start = _seeded(tmp_path, *MOE)
     one, one_completions = _go(tmp_path, "one", *MOE, *start, "training.grad_accum_steps=2")
-    ep, ep_completions = _go(tmp_path, "fsdp2_ep2", *MOE, *start, "parallelism=fsdp2_ep2")
-    assert ep_completions == one_completions
-    for a, b in zip(one, ep, strict=True):
-        for key in ("loss", "reward", "reward_std", "completions/mean_length"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
-    final = [torch.load(tmp_path / name / "final_params.pt") for name in ("one", "fsdp2_ep2")]
-    assert max((final[0][k] - final[1][k]).abs().max().item() for k in final[0]) < 2e-4
+    _same_tokens_within_float_order(tmp_path, (one, one_completions), "fsdp2_ep2", *MOE, *start,
+                                    "parallelism=fsdp2_ep2", weights=2e-4)

@@ -6,27 +6,18 @@ type: tests/test_grpo_loss.py.)"""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from titan_plugins.train.api import run
+from titan_plugins.testing.grpo import launch_grpo, tiny_grpo_run
 
 pytest.importorskip("titan_qwen3")
 pytestmark = pytest.mark.slow  # launched runs
 
-TINY = ["model=qwen3", "model.n_layers=2", "model.dim=64", "model.n_heads=4", "model.n_kv_heads=2",
-        "model.head_dim=16", "model.hidden_dim=128", "model.enable_weight_tying=false", "metrics.tensorboard=false",
-        "metrics.console=false", "objective=grpo", "data=prompts", "training.seq_len=64",
-        "objective.max_completion_length=8", "objective.num_generations=4", "training.local_batch_size=2",
-        "training.warmup_steps=0", "training.lr=0.05", "training.steps=2", "objective.beta=0.04",
-        "objective.reward_funcs=[format]", "+objective.reward_options.format.pattern='(?s)[a-z].*'"]
+TINY = [*tiny_grpo_run(max_completion_length=8, local_batch_size=2, lr=0.05), "objective.beta=0.04"]
 
 
 @pytest.mark.parametrize("peft", ["lora", "none"])
 def test_the_kl_to_the_reference_starts_at_zero_and_grows(tmp_path, peft):
-    result = run([*TINY, f"peft={peft}"], run_dir=tmp_path / peft, timeout=300)
-    assert result.returncode == 0, f"{result.error}\n{result.stderr[-3000:]}"
-    records = [r for r in map(json.loads, (tmp_path / peft / "metrics.jsonl").read_text().splitlines()) if "step" in r]
+    records, _ = launch_grpo(tmp_path / peft, [*TINY, f"peft={peft}"], timeout=300)
     assert records[0]["kl"] == 0.0 and records[0]["clip_ratio/region_mean"] == 0.0
     assert records[1]["kl"] > 0.0
